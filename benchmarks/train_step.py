@@ -1,0 +1,249 @@
+"""Time full training steps of eager PyTorch, torch.compile and ortlab side by side.
+
+One step is forward, loss, backward, ``SGD.step()`` and ``zero_grad()``. Each contender trains its
+own deep copy of the same initial weights on the same batches. After the warm-up the contenders
+take turns (A B C A B C ...), so a slow drift of the machine affects all of them alike.
+
+Usage:
+    python benchmarks/train_step.py                       # all models, all contenders
+    python benchmarks/train_step.py --model gpt --steps 50 --json gpt.json
+    python benchmarks/train_step.py --model tiny --contenders eager,compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import onnxruntime
+import torch
+from torch import nn
+
+# Lets the script run from a plain checkout, without `pip install -e .`.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ortlab.models import GPT, MLP, GPTConfig, TinyMLP, make_batch  # noqa: E402
+
+CONTENDERS = ("eager", "compile", "ortlab")
+MODELS = ("tiny", "mlp", "gpt")
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Result:
+    """Timings of one contender on one model.
+
+    Attributes:
+        first_step_ms: The first step, including any capture, compilation or export.
+        median_ms: Median of the measured steps.
+        speedup: ``eager median / this median``; above 1 means faster than eager.
+        gflops: Achieved GFLOP/s (GPT only).
+        peak_fraction: ``gflops`` over the machine's fp32 matmul peak (GPT only).
+        final_loss: Loss of the last measured step; contenders should agree closely.
+        error: Why the contender failed, if it did.
+    """
+
+    first_step_ms: float | None = None
+    median_ms: float | None = None
+    speedup: float | None = None
+    gflops: float | None = None
+    peak_fraction: float | None = None
+    final_loss: float | None = None
+    error: str | None = None
+    times_ms: list[float] = field(default_factory=list, repr=False)
+
+
+def build_model(name: str) -> tuple[nn.Module, Callable[[torch.Generator], Batch], float | None]:
+    """Build a benchmark model with fixed initial weights.
+
+    Args:
+        name: One of :data:`MODELS`.
+
+    Returns:
+        The model, a function drawing one batch from a generator, and the estimated FLOPs of one
+        training step (None where no estimate is made).
+    """
+    torch.manual_seed(0)
+    if name == "gpt":
+        cfg, batch = GPTConfig(), 8
+        model = GPT(cfg)
+        params = sum(p.numel() for p in model.parameters())
+        tokens = batch * cfg.block_size
+        flops = 6 * params * tokens + 12 * cfg.n_layers * cfg.block_size**2 * cfg.d_model * batch
+        return model, lambda g: make_batch("gpt", batch, g, vocab=cfg.vocab, block_size=cfg.block_size), flops
+    if name == "mlp":
+        return MLP((784, 1024, 1024, 10)), lambda g: make_batch("mlp", 256, g), None
+    if name == "tiny":
+        return TinyMLP(), lambda g: make_batch("tiny", 16, g), None
+    raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+
+
+def wrap(contender: str, module: nn.Module) -> nn.Module:
+    """Return ``module`` prepared for ``contender`` (one of :data:`CONTENDERS`)."""
+    if contender == "eager":
+        return module
+    if contender == "compile":
+        return torch.compile(module)
+    if contender == "ortlab":
+        import ortlab
+
+        return ortlab.ORTModule(module)
+    raise ValueError(f"unknown contender {contender!r}; expected one of {', '.join(CONTENDERS)}")
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch) -> tuple[float, torch.Tensor]:
+    """Run one training step and return its wall time in ms and the loss."""
+    start = time.perf_counter()
+    loss = model(*batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return (time.perf_counter() - start) * 1e3, loss
+
+
+def matmul_peak_gflops(n: int = 2048, reps: int = 10) -> float:
+    """Best fp32 GFLOP/s of an ``n x n`` ``torch.mm`` over ``reps`` timed runs (after one warm-up)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def bench_model(
+    name: str, contenders: list[str], steps: int, warmup: int, peak: float
+) -> dict[str, Result]:
+    """Benchmark every contender on one model; a contender that raises is reported and skipped."""
+    base, draw, flops = build_model(name)
+    gen = torch.Generator().manual_seed(0)
+    warm_batches = [draw(gen) for _ in range(warmup)]
+    batches = [draw(gen) for _ in range(steps)]
+    results = {c: Result() for c in contenders}
+    running: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+
+    def fail(c: str, exc: BaseException) -> None:
+        results[c].error = f"{type(exc).__name__}: {exc}"
+        running.pop(c, None)
+        print(f"  {c} failed: {results[c].error}")
+        traceback.print_exc(limit=3)
+
+    for c in contenders:
+        print(f"  warming up {c} ...", flush=True)
+        try:
+            module = copy.deepcopy(base)
+            opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+            model = wrap(c, module)
+            for i, batch in enumerate(warm_batches):
+                ms, _ = train_step(model, opt, batch)
+                if i == 0:
+                    results[c].first_step_ms = ms
+            running[c] = (model, opt)
+        except Exception as exc:  # noqa: BLE001 - one failing contender must not stop the others
+            fail(c, exc)
+
+    for i, batch in enumerate(batches):
+        for c in list(running):
+            try:
+                ms, loss = train_step(*running[c], batch)
+            except Exception as exc:  # noqa: BLE001
+                fail(c, exc)
+                continue
+            results[c].times_ms.append(ms)
+            if i == len(batches) - 1:
+                results[c].final_loss = loss.item()
+
+    eager = results.get("eager")
+    for r in results.values():
+        if r.error or not r.times_ms:
+            continue
+        r.median_ms = statistics.median(r.times_ms)
+        if eager and eager.times_ms and not eager.error:
+            r.speedup = statistics.median(eager.times_ms) / r.median_ms
+        if flops is not None:
+            r.gflops = flops / (r.median_ms / 1e3) / 1e9
+            r.peak_fraction = r.gflops / peak
+    if flops is not None:
+        print(f"  estimated step FLOPs: {flops / 1e9:.2f} GFLOP (6*params*tokens + 12*L*T^2*d*B)")
+    return results
+
+
+def print_table(name: str, results: dict[str, Result]) -> None:
+    """Print one model's results as an aligned table."""
+
+    def fmt(v: float | None, spec: str, suffix: str = "") -> str:
+        return "-" if v is None else format(v, spec) + suffix
+
+    cols = ("contender", "median ms", "vs eager", "first ms", "GFLOP/s", "% peak", "final loss")
+    widths = (10, 10, 9, 10, 8, 7, 11)
+    header = " ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(cols, widths)))
+    print(f"\n== {name} ==\n{header}\n{'-' * len(header)}")
+    for c, r in results.items():
+        if r.error:
+            print(f"{c:<10} FAILED: {r.error.splitlines()[0][:100]}")
+            continue
+        pct = None if r.peak_fraction is None else 100 * r.peak_fraction
+        cells = (
+            fmt(r.median_ms, ".2f"),
+            fmt(r.speedup, ".2f", "x"),
+            fmt(r.first_step_ms, ".1f"),
+            fmt(r.gflops, ".1f"),
+            fmt(pct, ".1f", "%"),
+            fmt(r.final_loss, ".4f"),
+        )
+        print(f"{c:<10} " + " ".join(v.rjust(w) for v, w in zip(cells, widths[1:])))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, run the benchmarks, print the tables and optionally write JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=(*MODELS, "all"), default="all")
+    parser.add_argument("--steps", type=int, default=30, help="measured steps per contender")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps, the first one timed apart")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list of " + ",".join(CONTENDERS))
+    parser.add_argument("--json", type=Path, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = sorted(set(contenders) - set(CONTENDERS))
+    if unknown:
+        parser.error(f"unknown contenders {unknown}; choose from {', '.join(CONTENDERS)}")
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
+
+    peak = matmul_peak_gflops()
+    print(f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, torch threads {torch.get_num_threads()}")
+    print(f"fp32 matmul peak (2048x2048 torch.mm): {peak:.1f} GFLOP/s")
+    models = MODELS if args.model == "all" else (args.model,)
+    all_results: dict[str, dict[str, Result]] = {}
+    for name in models:
+        print(f"\n[{name}] {args.warmup} warm-up + {args.steps} measured steps, contenders: {', '.join(contenders)}")
+        all_results[name] = bench_model(name, contenders, args.steps, args.warmup, peak)
+    for name, results in all_results.items():
+        print_table(name, results)
+
+    if args.json:
+        payload = {
+            "torch": torch.__version__,
+            "onnxruntime": onnxruntime.__version__,
+            "threads": torch.get_num_threads(),
+            "matmul_peak_gflops": peak,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "models": {n: {c: asdict(r) for c, r in rs.items()} for n, rs in all_results.items()},
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

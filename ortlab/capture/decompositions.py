@@ -1,0 +1,95 @@
+"""The decomposition table AOTAutograd traces with, and the torchlib registry behind it.
+
+We take torch.onnx's own "ONNX-friendly" table (torch's decompositions minus the
+ops torchlib translates directly) and change it in three places, each a real gap:
+
+* ``scaled_dot_product_attention`` is CompositeImplicit: on CPU autograd records
+  ``_scaled_dot_product_flash_attention_for_cpu`` whose backward has no ONNX
+  translation. ``capture.backend`` rewrites it to :func:`sdpa_math` in the Dynamo
+  graph, before AOTAutograd differentiates it.
+* ``nll_loss_forward``/``nll_loss_backward``: torchlib's backward ignores
+  ``total_weight`` (gradients came out ``B*T`` times too large in our spike), so we
+  use torch's decompositions instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Callable
+
+import torch
+from torch._decomp import decomposition_table as _torch_decomps
+from torch.onnx._internal.exporter import _decomp, _registration
+
+__all__ = ["get_registry", "decomposition_table", "sdpa_math"]
+
+aten = torch.ops.aten
+
+# Ops whose torchlib translation gives wrong results; traced through torch's decomposition.
+_FORCE_DECOMPOSE = (
+    aten.nll_loss_forward.default,
+    aten.nll_loss_backward.default,
+    aten.nll_loss2d_forward.default,
+    aten.nll_loss2d_backward.default,
+)
+
+
+@functools.lru_cache(maxsize=1)
+def get_registry() -> _registration.ONNXRegistry:
+    """torch.onnx's registry of torchlib translations (built once, ~0.5 s)."""
+    reg_logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    old = reg_logger.level
+    reg_logger.setLevel(logging.ERROR)  # "torchvision is not installed" noise
+    try:
+        return _registration.ONNXRegistry.from_torchlib()
+    finally:
+        reg_logger.setLevel(old)
+
+
+@functools.lru_cache(maxsize=1)
+def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
+    """Decompositions for every op torchlib cannot translate (plus the forced ones)."""
+    registry = get_registry()
+    onnx_ops = set(_decomp.get_onnx_implemented_overloads(registry))
+    table = dict(_decomp.create_onnx_friendly_decomposition_table(onnx_ops))
+    for op in _FORCE_DECOMPOSE:
+        if op in _torch_decomps:
+            table[op] = _torch_decomps[op]
+    return table
+
+
+def sdpa_math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` in its math form, differentiable op by op.
+
+    Same semantics as torch's reference math implementation (including GQA).
+    """
+    seq_q, seq_k = query.size(-2), key.size(-2)
+    factor = 1.0 / math.sqrt(query.size(-1)) if scale is None else scale
+    if enable_gqa:
+        rep = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(rep, dim=-3)
+        value = value.repeat_interleave(rep, dim=-3)
+    scores = torch.matmul(query, key.transpose(-2, -1)) * factor
+    if is_causal:
+        keep = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(keep.logical_not(), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = torch.nn.functional.dropout(probs, p=dropout_p, training=True)
+    return torch.matmul(probs, value)

@@ -1,0 +1,226 @@
+"""Options of an ORTModule and every ``ORTLAB_*`` environment variable.
+
+Environment variables are read here and nowhere else. A variable that is set
+overrides the value given in code (as ``ORTMODULE_*`` did), so a run can be made
+strict or verbose without touching the training script:
+
+================================  =======================================================
+``ORTLAB_LOG_LEVEL``              VERBOSE, DEVINFO, INFO, WARNING, ERROR or FATAL
+``ORTLAB_SAVE_ONNX``              1 to save every stage of every captured graph
+``ORTLAB_ONNX_PREFIX``            file-name prefix of the saved stages
+``ORTLAB_SAVE_PATH``              folder of the saved stages
+``ORTLAB_FALLBACK``               ``warn`` (default) or ``raise``
+``ORTLAB_FALLBACK_OPS``           comma-separated ops to run in PyTorch (``aten.gelu,...``)
+``ORTLAB_RECOMPUTE``              ``none``, ``auto``, ``layerwise`` or comma-separated selectors
+``ORTLAB_OPT_LEVEL``              onnxruntime graph optimization: disable|basic|extended|all
+``ORTLAB_DYNAMIC``                1 (default) captures with symbolic batch/sequence sizes
+================================  =======================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import os
+from collections.abc import Sequence
+from typing import Union
+
+from ortlab.errors import ConfigError
+
+__all__ = ["LogLevel", "DebugOptions", "Options", "RECOMPUTE_PRESETS", "OPT_LEVELS"]
+
+RECOMPUTE_PRESETS = ("none", "auto", "layerwise")
+OPT_LEVELS = ("disable", "basic", "extended", "all")
+FALLBACK_MODES = ("warn", "raise")
+
+RecomputeSpec = Union[str, Sequence[str]]
+
+
+class LogLevel(enum.IntEnum):
+    """How much ortlab logs; the same scale as ORTModule's."""
+
+    VERBOSE = 0
+    DEVINFO = 1
+    INFO = 2
+    WARNING = 3
+    ERROR = 4
+    FATAL = 5
+
+    def to_logging(self) -> int:
+        """The stdlib ``logging`` level that matches this level."""
+        return {
+            LogLevel.VERBOSE: logging.DEBUG,
+            LogLevel.DEVINFO: logging.DEBUG,
+            LogLevel.INFO: logging.INFO,
+            LogLevel.WARNING: logging.WARNING,
+            LogLevel.ERROR: logging.ERROR,
+            LogLevel.FATAL: logging.CRITICAL,
+        }[self]
+
+    def to_ort_severity(self) -> int:
+        """onnxruntime's log severity (0 verbose .. 4 fatal) for this level."""
+        return {0: 0, 1: 1, 2: 2, 3: 3, 4: 3, 5: 4}[int(self)]
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _env_bool(name: str, value: str) -> bool:
+    low = value.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={value!r} is not a boolean; use 1 or 0.")
+
+
+def _parse_log_level(value: LogLevel | str | int, source: str) -> LogLevel:
+    if isinstance(value, LogLevel):
+        return value
+    if isinstance(value, int):
+        return LogLevel(value)
+    try:
+        return LogLevel[str(value).strip().upper()]
+    except KeyError:
+        valid = ", ".join(level.name for level in LogLevel)
+        raise ConfigError(f"{source}={value!r} is not a log level; valid: {valid}.") from None
+
+
+@dataclasses.dataclass
+class DebugOptions:
+    """What ortlab logs and which stages of each captured graph it saves.
+
+    Args:
+        log_level: ``LogLevel`` (or its name). INFO logs the first-step report.
+        save_onnx: save every stage (captured FX graph, joint graph, forward and
+            backward FX graphs, exported ONNX, onnxruntime-optimized models at each
+            level and the model the session runs) as ``{prefix}_{stage}_{train|eval}``.
+        onnx_prefix: file-name prefix; required when ``save_onnx`` is set.
+        save_path: folder for the saved stages (created if missing); default cwd.
+
+    Example:
+        >>> DebugOptions(save_onnx=True, onnx_prefix="gpt", save_path="stages").log_level
+        <LogLevel.WARNING: 3>
+    """
+
+    log_level: LogLevel | str | int = LogLevel.WARNING
+    save_onnx: bool = False
+    onnx_prefix: str = ""
+    save_path: str = ""
+    from_env: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        used: list[str] = []
+        if (v := _env("ORTLAB_LOG_LEVEL")) is not None:
+            self.log_level, _ = _parse_log_level(v, "ORTLAB_LOG_LEVEL"), used.append("ORTLAB_LOG_LEVEL")
+        if (v := _env("ORTLAB_SAVE_ONNX")) is not None:
+            self.save_onnx, _ = _env_bool("ORTLAB_SAVE_ONNX", v), used.append("ORTLAB_SAVE_ONNX")
+        if (v := _env("ORTLAB_ONNX_PREFIX")) is not None:
+            self.onnx_prefix, _ = v, used.append("ORTLAB_ONNX_PREFIX")
+        if (v := _env("ORTLAB_SAVE_PATH")) is not None:
+            self.save_path, _ = v, used.append("ORTLAB_SAVE_PATH")
+        self.from_env = tuple(used)
+        self.log_level = _parse_log_level(self.log_level, "log_level")
+        if not isinstance(self.onnx_prefix, str):
+            raise ConfigError(f"onnx_prefix must be a str, got {type(self.onnx_prefix).__name__}.")
+        if self.save_onnx:
+            if not self.onnx_prefix:
+                raise ConfigError(
+                    "save_onnx=True needs a file-name prefix: DebugOptions(save_onnx=True, "
+                    "onnx_prefix='mymodel') or ORTLAB_ONNX_PREFIX=mymodel."
+                )
+            folder = self.save_path or os.getcwd()
+            os.makedirs(folder, exist_ok=True)
+            if not os.access(folder, os.W_OK):
+                raise ConfigError(f"save_path {folder!r} is not writable; choose another folder.")
+
+    @property
+    def folder(self) -> str:
+        """The folder saved stages go to."""
+        return self.save_path or os.getcwd()
+
+
+@dataclasses.dataclass
+class Options:
+    """Engine options of an ORTModule (the ``**options`` of its constructor).
+
+    Args:
+        recompute: ``"none"`` (save every activation the backward needs), ``"auto"``
+            (torch's min-cut partitioner recomputes cheap ops), ``"layerwise"``
+            (recompute everything inside each repeated layer, like gradient
+            checkpointing per layer) or a sequence of selectors naming saved
+            activations to recompute: an FX node name (``"gelu_3"``), an op
+            (``"op:aten.gelu"``) or a module path prefix (``"module:blocks.0.mlp"``).
+        fallback: ``"warn"`` runs what onnxruntime cannot run in PyTorch, warning
+            once per reason; ``"raise"`` turns every fallback into a ``FallbackError``.
+        fallback_ops: ops to run in PyTorch on purpose, e.g. ``["aten.gelu"]``.
+        providers: onnxruntime execution providers; by default CPU, or CUDA first when
+            inputs are on CUDA and onnxruntime-gpu is installed.
+        graph_optimization_level: onnxruntime's level: disable, basic, extended, all.
+        dynamic: capture with symbolic sizes so a new batch or sequence length does
+            not re-capture.
+        intra_op_num_threads: threads per onnxruntime session (default: onnxruntime's).
+    """
+
+    recompute: RecomputeSpec = "none"
+    fallback: str = "warn"
+    fallback_ops: Sequence[str] = ()
+    providers: Sequence[str] | None = None
+    graph_optimization_level: str = "all"
+    dynamic: bool = True
+    intra_op_num_threads: int | None = None
+    from_env: tuple[str, ...] = dataclasses.field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        used: list[str] = []
+        if (v := _env("ORTLAB_FALLBACK")) is not None:
+            self.fallback, _ = v.strip().lower(), used.append("ORTLAB_FALLBACK")
+        if (v := _env("ORTLAB_FALLBACK_OPS")) is not None:
+            extra = [s.strip() for s in v.split(",") if s.strip()]
+            self.fallback_ops, _ = tuple(self.fallback_ops) + tuple(extra), used.append("ORTLAB_FALLBACK_OPS")
+        if (v := _env("ORTLAB_RECOMPUTE")) is not None:
+            parts = [s.strip() for s in v.split(",") if s.strip()]
+            self.recompute = parts[0] if len(parts) == 1 and parts[0] in RECOMPUTE_PRESETS else tuple(parts)
+            used.append("ORTLAB_RECOMPUTE")
+        if (v := _env("ORTLAB_OPT_LEVEL")) is not None:
+            self.graph_optimization_level, _ = v.strip().lower(), used.append("ORTLAB_OPT_LEVEL")
+        if (v := _env("ORTLAB_DYNAMIC")) is not None:
+            self.dynamic, _ = _env_bool("ORTLAB_DYNAMIC", v), used.append("ORTLAB_DYNAMIC")
+        self.from_env = tuple(used)
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ConfigError`` naming the valid choices for any bad value."""
+        if self.fallback not in FALLBACK_MODES:
+            raise ConfigError(f"fallback={self.fallback!r} is not valid; choose one of {FALLBACK_MODES}.")
+        if self.graph_optimization_level not in OPT_LEVELS:
+            raise ConfigError(
+                f"graph_optimization_level={self.graph_optimization_level!r} is not valid; "
+                f"choose one of {OPT_LEVELS}."
+            )
+        if isinstance(self.recompute, str):
+            if self.recompute not in RECOMPUTE_PRESETS:
+                raise ConfigError(
+                    f"recompute={self.recompute!r} is not valid; choose one of {RECOMPUTE_PRESETS} "
+                    "or pass a list of saved-activation selectors (node name, 'op:aten.x', 'module:path')."
+                )
+        else:
+            self.recompute = tuple(self.recompute)
+            bad = [s for s in self.recompute if not isinstance(s, str) or not s]
+            if bad:
+                raise ConfigError(f"recompute selectors must be non-empty strings, got {bad!r}.")
+        self.fallback_ops = tuple(self.fallback_ops)
+        if isinstance(self.fallback_ops, str):
+            raise ConfigError("fallback_ops takes a list of op names, e.g. ['aten.gelu'].")
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> Options:
+        """Build options from ``ORTModule(**options)``, naming unknown keys."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"from_env"}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown ORTModule option(s) {unknown}; valid options: {sorted(names)}.")
+        return cls(**kwargs)

@@ -1,0 +1,69 @@
+"""Errors raised by ortlab: one root, one subclass per pipeline stage.
+
+Every message says what happened, what was expected and what to do next.
+``InternalError`` marks a bug in ortlab itself rather than in the user's model.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "OrtlabError",
+    "ConfigError",
+    "CaptureError",
+    "ExportError",
+    "SessionError",
+    "FallbackError",
+    "UnsupportedInputError",
+    "DeviceError",
+    "InternalError",
+]
+
+
+class OrtlabError(RuntimeError):
+    """Root of every error ortlab raises on purpose."""
+
+
+class ConfigError(OrtlabError, ValueError):
+    """An option or environment variable has a value ortlab does not accept."""
+
+
+class CaptureError(OrtlabError):
+    """Dynamo or AOTAutograd could not capture the module."""
+
+
+class ExportError(OrtlabError):
+    """An FX graph could not be translated to ONNX."""
+
+
+class SessionError(OrtlabError):
+    """onnxruntime could not build or run a session for an exported graph."""
+
+
+class FallbackError(OrtlabError):
+    """Something would have run in PyTorch instead of onnxruntime while ``fallback="raise"``."""
+
+
+class UnsupportedInputError(OrtlabError, TypeError):
+    """An input to an ORTModule has a type ortlab cannot feed to onnxruntime."""
+
+
+class DeviceError(OrtlabError):
+    """Inputs and parameters live on devices ortlab cannot run together."""
+
+
+class InternalError(OrtlabError):
+    """A bug in ortlab: please report it with the model that triggered it."""
+
+
+class FallbackWarning(UserWarning):
+    """Part of the model runs in PyTorch instead of onnxruntime; the message says why."""
+
+
+__all__.append("FallbackWarning")
+
+
+def first_line(error: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` of an exception, for reasons and reports."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    return f"{type(error).__name__}: {text[:limit]}" if text else type(error).__name__

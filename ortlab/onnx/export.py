@@ -1,0 +1,253 @@
+"""Translate one AOTAutograd FX graph (forward, backward or inference) to ONNX.
+
+We call torch.onnx's own FX translator (``_core._translate_fx_graph``) with the
+torchlib registry, so every aten op is translated by the same functions
+``torch.onnx.export(dynamo=True)`` uses. We do not go through ``torch.export``:
+the graph is already functional aten, and re-tracing it would cost seconds and
+lose the SymInt inputs that make sizes dynamic.
+
+On top of the translation this module adds what training needs:
+
+* input/output *kinds* (tensor, int, float, bool, None) so the runtime can feed
+  SymInts as int64 scalars and give AOTAutograd back Python ints and ``None``s
+  at the positions it expects (backward graphs return None for inputs that need
+  no grad);
+* outputs that are graph inputs or repeated get an Identity so names stay unique;
+* provenance on every ONNX node (``ortlab.fx_node``, ``ortlab.module``,
+  ``ortlab.source``) so a slow kernel or a diverging value leads back to model code.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Iterator
+
+import onnx_ir as ir
+import torch
+import torch.fx
+from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
+
+from ortlab.capture.decompositions import get_registry
+from ortlab.capture.provenance import module_path, op_name, source_line
+from ortlab.errors import ExportError
+
+__all__ = ["ExportedGraph", "export_graph", "unsupported_nodes", "get_registry", "value_kind"]
+
+logger = logging.getLogger(__name__)
+
+# Ops that always run in PyTorch, with the reason shown to the user.
+RANDOM_OPS = {
+    "aten.native_dropout": "random op: runs in PyTorch so the random stream matches eager PyTorch",
+    "aten.bernoulli": "random op: runs in PyTorch so the random stream matches eager PyTorch",
+    "aten.rand": "random op: runs in PyTorch so the random stream matches eager PyTorch",
+    "aten.rand_like": "random op: runs in PyTorch so the random stream matches eager PyTorch",
+    "aten.randn": "random op: runs in PyTorch so the random stream matches eager PyTorch",
+    "aten.randn_like": "random op: runs in PyTorch so the random stream matches eager PyTorch",
+    "aten.randint": "random op: runs in PyTorch so the random stream matches eager PyTorch",
+    "aten.randperm": "random op: runs in PyTorch so the random stream matches eager PyTorch",
+    "aten.multinomial": "random op: runs in PyTorch so the random stream matches eager PyTorch",
+}
+
+
+def _accumulating_index_put(node: torch.fx.Node) -> bool:
+    accumulate = node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False)
+    return bool(accumulate)
+
+
+# Translations that exist but give wrong results in onnxruntime: (op, predicate, reason).
+# ScatterND(reduction="add") on onnxruntime's CPU provider loses updates when indices
+# repeat (an embedding's backward): we measured grads off by 10-30 on repeated tokens,
+# different on every run.
+KNOWN_WRONG = (
+    ("aten._unsafe_index_put", _accumulating_index_put,
+     "onnxruntime's ScatterND(reduction=add) races on repeated indices (wrong, non-deterministic sums)"),
+    ("aten.index_put", _accumulating_index_put,
+     "onnxruntime's ScatterND(reduction=add) races on repeated indices (wrong, non-deterministic sums)"),
+)
+
+
+def value_kind(val: object) -> str | None:
+    """The kind of an FX value as the runtime exchanges it."""
+    if val is None:
+        return None
+    if isinstance(val, torch.Tensor):
+        return "tensor"
+    if isinstance(val, (bool, torch.SymBool)):
+        return "bool"
+    if isinstance(val, (int, torch.SymInt)):
+        return "int"
+    if isinstance(val, (float, torch.SymFloat)):
+        return "float"
+    raise ExportError(f"graph value of type {type(val).__name__} cannot cross into onnxruntime")
+
+
+@dataclasses.dataclass
+class ExportedGraph:
+    """An ONNX model for one FX graph, with what the runtime needs to call it.
+
+    Attributes:
+        model: the ONNX IR model (inputs in FX placeholder order).
+        input_kinds: kind of each FX placeholder (tensor/int/float/bool).
+        output_kinds: kind of each FX output; ``None`` where the graph returns None.
+        output_dtypes: torch dtype of each tensor output (None otherwise).
+        seconds: time the translation took.
+    """
+
+    model: ir.Model
+    input_kinds: list[str]
+    output_kinds: list[str | None]
+    output_dtypes: list[torch.dtype | None]
+    seconds: float
+
+    @property
+    def input_names(self) -> list[str]:
+        return [v.name for v in self.model.graph.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [v.name for v in self.model.graph.outputs]
+
+    def op_counts(self) -> dict[str, int]:
+        """ONNX op types and how often each occurs."""
+        return dict(collections.Counter(n.op_type for n in self.model.graph).most_common())
+
+    def to_bytes(self) -> bytes:
+        return ir.to_proto(self.model).SerializeToString()
+
+
+def unsupported_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """FX nodes that cannot run in onnxruntime, each with the reason."""
+    registry = get_registry()
+    reasons: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = op_name(node)
+        if name in RANDOM_OPS:
+            reasons[node.name] = RANDOM_OPS[name]
+            continue
+        for op, predicate, reason in KNOWN_WRONG:
+            if name == op and predicate(node):
+                reasons[node.name] = reason
+                break
+        if node.name in reasons:
+            continue
+        if not registry.is_registered(node.target):
+            reasons[node.name] = f"no ONNX translation for {node.target} in torchlib"
+    return reasons
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    """torch.onnx warns per node about missing module stacks and None outputs; we report those ourselves."""
+    core_logger = logging.getLogger(_core.__name__)
+    old = core_logger.level
+    core_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        core_logger.setLevel(old)
+
+
+def _output_nodes(gm: torch.fx.GraphModule) -> list:
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    args = out.args[0]
+    return list(args) if isinstance(args, (list, tuple)) else [args]
+
+
+def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
+    """Translate ``gm`` to ONNX.
+
+    Args:
+        gm: a functional aten FX graph from AOTAutograd (every op translatable:
+            split off unsupported ops first, see ``runtime.split``).
+        name: the ONNX graph name.
+
+    Raises:
+        ExportError: naming the FX node that failed and why.
+
+    Example:
+        >>> exported = export_graph(fw_gm, "forward")   # doctest: +SKIP
+        >>> exported.op_counts()["MatMul"]               # doctest: +SKIP
+    """
+    start = time.perf_counter()
+    registry = get_registry()
+    _fx_passes.insert_type_promotion_nodes(gm)
+    model = ir.Model(
+        graph=ir.Graph([], [], nodes=[], name=name),
+        ir_version=_constants.ONNX_IR_VERSION,
+        producer_name="ortlab",
+        producer_version=torch.__version__,
+    )
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    input_kinds = []
+    for node in placeholders:
+        if "val" not in node.meta:
+            raise ExportError(f"placeholder {node.name} has no example value; cannot type it for ONNX")
+        input_kinds.append(value_kind(node.meta["val"]))
+    try:
+        with _quiet_exporter():
+            values = _core._translate_fx_graph(
+                gm.graph,
+                model,
+                graph_like=model.graph,
+                owned_graphs={},
+                lower="at_conversion",
+                registry=registry,
+            )
+    except Exception as e:  # torch.onnx raises ConversionError/DispatchError and others
+        raise ExportError(f"could not translate graph {name!r} to ONNX: {e}") from e
+
+    graph = model.graph
+    graph.outputs.clear()
+    inputs = set(id(v) for v in graph.inputs)
+    used: set[int] = set()
+    output_kinds: list[str | None] = []
+    output_dtypes: list[torch.dtype | None] = []
+    for i, out in enumerate(_output_nodes(gm)):
+        if out is None:
+            output_kinds.append(None)
+            output_dtypes.append(None)
+            continue
+        if not isinstance(out, torch.fx.Node):
+            raise ExportError(f"graph {name!r} returns a constant {out!r} at position {i}; not supported")
+        val = out.meta.get("val")
+        kind = value_kind(val)
+        value = values[out.name]
+        if isinstance(value, (list, tuple)):
+            raise ExportError(f"graph {name!r} output {out.name} is a sequence; expected one value")
+        if id(value) in inputs or id(value) in used or value.producer() is None:
+            ident = ir.Node("", "Identity", inputs=[value], name=f"output_identity_{i}")
+            graph.append(ident)
+            value = ident.outputs[0]
+            value.name = f"{out.name}_out{i}"
+        used.add(id(value))
+        if kind == "tensor":
+            _core._set_shape_type(value, val, complex_to_float=True)
+            output_dtypes.append(val.dtype)
+        else:
+            output_dtypes.append(None)
+        output_kinds.append(kind)
+        graph.outputs.append(value)
+
+    # torchlib's shape guesses for intermediate values can be wrong with symbolic
+    # sizes (onnxruntime then warns on every run); let onnxruntime infer them.
+    outputs = set(id(v) for v in graph.outputs)
+    for node in graph:
+        for v in node.outputs:
+            if id(v) not in outputs:
+                v.shape = None
+        fx_node = node.meta.get("node")
+        if fx_node is not None:
+            node.metadata_props["ortlab.fx_node"] = fx_node.name
+            node.metadata_props["ortlab.op"] = op_name(fx_node)
+            node.metadata_props["ortlab.module"] = module_path(fx_node)
+            node.metadata_props["ortlab.source"] = source_line(fx_node)
+    _ir_passes.add_opset_imports(model)
+    # onnxruntime 1.31 reads IR version <= 13 while torch's exporter targets newer ones.
+    model.ir_version = min(model.ir_version, 10)
+    return ExportedGraph(model, input_kinds, output_kinds, output_dtypes, time.perf_counter() - start)

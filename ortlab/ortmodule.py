@@ -1,0 +1,269 @@
+"""ORTModule: a drop-in nn.Module wrapper that trains through onnxruntime.
+
+Note [Sharing the wrapped module's dicts]
+ORTModule shares ``_parameters``, ``_buffers`` and ``_modules`` with the module it
+wraps instead of registering it as a child. So ``state_dict`` keys,
+``named_parameters``, ``load_state_dict``, ``.to()`` and nesting an ORTModule inside
+a bigger model all behave exactly as on the wrapped module (no ``_module.`` prefix),
+without delegating each method by hand. Other attribute reads and writes go to the
+wrapped module, so a changed attribute is seen by Dynamo's guards and re-captures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch._dynamo
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch._dynamo import exc as dynamo_exc
+from torch._dynamo.utils import counters
+
+from ortlab.capture.backend import OrtlabBackend
+from ortlab.config import DebugOptions, Options
+from ortlab.errors import CaptureError, DeviceError, FallbackError, OrtlabError, UnsupportedInputError
+from ortlab.report import Fallback, Report, warn_fallback
+
+__all__ = ["ORTModule"]
+
+logger = logging.getLogger("ortlab")
+
+_OWN = (
+    "_ortlab_module",
+    "_ortlab_options",
+    "_ortlab_debug",
+    "_ortlab_report",
+    "_ortlab_compiled",
+    "_ortlab_calls",
+)
+# Dynamo settings for our calls: many ORTModules of one class share Dynamo's
+# per-code cache, so allow more entries, and never drop to eager silently when the
+# limit is hit: it raises, and we record the fallback with its reason.
+_DYNAMO_CONFIG = {"recompile_limit": 64, "accumulated_recompile_limit": 1024, "fail_on_recompile_limit_hit": True}
+
+
+def _check_leaf(leaf: object) -> None:
+    if isinstance(leaf, np.ndarray):
+        raise UnsupportedInputError(
+            "ORTModule got a numpy array; convert it with torch.from_numpy(array) before calling the module."
+        )
+    if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
+        raise UnsupportedInputError(
+            f"ORTModule got a {leaf.layout} tensor; onnxruntime needs dense tensors: pass tensor.to_dense()."
+        )
+    if isinstance(leaf, Iterator):
+        raise UnsupportedInputError(
+            f"ORTModule got an iterator ({type(leaf).__name__}); pass a list or tuple instead."
+        )
+
+
+class ORTModule(nn.Module):
+    """Wrap ``module`` so its forward and backward run in onnxruntime.
+
+    The training loop, optimizer, scheduler and data loading stay plain PyTorch.
+
+    Args:
+        module: the ``torch.nn.Module`` to train.
+        debug_options: a ``DebugOptions`` (logging, saving every stage).
+        **options: engine options, see ``ortlab.config.Options`` (``recompute``,
+            ``fallback``, ``fallback_ops``, ``providers``, ``graph_optimization_level``,
+            ``dynamic``, ``intra_op_num_threads``).
+
+    Example:
+        >>> model = ORTModule(torch.nn.Linear(4, 2))
+        >>> loss = model(torch.randn(3, 4)).sum()
+        >>> loss.backward()
+        >>> print(model.report)                     # doctest: +SKIP
+    """
+
+    def __init__(self, module: nn.Module, debug_options: DebugOptions | None = None, **options: Any) -> None:
+        if not isinstance(module, nn.Module):
+            raise UnsupportedInputError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}.")
+        if isinstance(module, ORTModule):
+            raise UnsupportedInputError("this module is already an ORTModule; wrap the original module once.")
+        if isinstance(module, nn.DataParallel):
+            raise UnsupportedInputError(
+                "ORTModule does not wrap nn.DataParallel; wrap the module first, then use DistributedDataParallel."
+            )
+        super().__init__()
+        opts = Options.from_kwargs(options)
+        debug = debug_options if debug_options is not None else DebugOptions()
+        object.__setattr__(self, "_ortlab_module", module)
+        object.__setattr__(self, "_ortlab_options", opts)
+        object.__setattr__(self, "_ortlab_debug", debug)
+        # See Note [Sharing the wrapped module's dicts].
+        object.__setattr__(self, "_parameters", module._parameters)
+        object.__setattr__(self, "_buffers", module._buffers)
+        object.__setattr__(self, "_modules", module._modules)
+        object.__setattr__(self, "_non_persistent_buffers_set", module._non_persistent_buffers_set)
+        object.__setattr__(self, "training", module.training)
+        logging.getLogger("ortlab").setLevel(debug.log_level.to_logging())
+        self._ortlab_reset()
+
+    # ----------------------------------------------------------------- engine state
+    def _ortlab_reset(self) -> None:
+        report = Report()
+        backend = OrtlabBackend(self._ortlab_options, self._ortlab_debug, report)
+        compiled = torch.compile(
+            self._ortlab_module,
+            backend=backend,
+            dynamic=self._ortlab_options.dynamic or None,
+            fullgraph=self._ortlab_options.fallback == "raise",
+        )
+        object.__setattr__(self, "_ortlab_report", report)
+        object.__setattr__(self, "_ortlab_compiled", compiled)
+        object.__setattr__(self, "_ortlab_calls", 0)
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module (for saving, or to run it without onnxruntime)."""
+        return self._ortlab_module
+
+    @property
+    def report(self) -> Report:
+        """What the engine captured, compiled, saved and sent back to PyTorch, and why."""
+        return self._ortlab_report
+
+    @property
+    def options(self) -> Options:
+        return self._ortlab_options
+
+    @property
+    def debug_options(self) -> DebugOptions:
+        return self._ortlab_debug
+
+    # ------------------------------------------------------------ nn.Module plumbing
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_ortlab_module"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN or name == "training" or not hasattr(self, "_ortlab_module"):
+            object.__setattr__(self, name, value)
+        elif isinstance(value, (nn.Parameter, nn.Module)) or name in self._buffers:
+            super().__setattr__(name, value)  # lands in the shared dicts
+        else:
+            setattr(self._ortlab_module, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._parameters or name in self._buffers or name in self._modules:
+            super().__delattr__(name)
+        else:
+            delattr(self._ortlab_module, name)
+
+    def train(self, mode: bool = True) -> ORTModule:
+        super().train(mode)
+        self._ortlab_module.train(mode)
+        return self
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        for key in ("_ortlab_report", "_ortlab_compiled"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._ortlab_reset()
+
+    def __repr__(self) -> str:
+        return f"ORTModule({self._ortlab_module!r})"
+
+    # --------------------------------------------------------------------- forward
+    def _check_inputs(self, args: tuple, kwargs: dict) -> None:
+        leaves = pytree.tree_leaves((args, kwargs))
+        devices = set()
+        for leaf in leaves:
+            _check_leaf(leaf)
+            if isinstance(leaf, torch.Tensor):
+                devices.add(leaf.device)
+        if devices:
+            for p in self._ortlab_module.parameters():
+                devices.add(p.device)
+                break
+        if len(devices) > 1:
+            names = ", ".join(sorted(map(str, devices)))
+            raise DeviceError(
+                f"ORTModule got tensors on {names}; inputs and parameters must share one device. "
+                "Move them with module.to(device) and tensor.to(device)."
+            )
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_inputs(args, kwargs)
+        first = self._ortlab_calls == 0
+        breaks_before = dict(counters["graph_break"])
+        start = time.perf_counter()
+        try:
+            with torch._dynamo.config.patch(_DYNAMO_CONFIG):
+                out = self._ortlab_compiled(*args, **kwargs)
+        except dynamo_exc.BackendCompilerFailed as e:
+            inner = getattr(e, "inner_exception", None) or e.__cause__
+            if isinstance(inner, OrtlabError):
+                raise inner from None
+            out = self._capture_failed(e, args, kwargs)
+        except dynamo_exc.TorchDynamoException as e:
+            out = self._capture_failed(e, args, kwargs)
+        self._record_graph_breaks(breaks_before)
+        object.__setattr__(self, "_ortlab_calls", self._ortlab_calls + 1)
+        if first:
+            self._ortlab_report.first_call_s = time.perf_counter() - start
+            logger.info("%s", self._ortlab_report)
+        return out
+
+    def _record_graph_breaks(self, before: dict) -> None:
+        now = counters["graph_break"]
+        for reason, count in now.items():
+            new = count - before.get(reason, 0)
+            if new <= 0:
+                continue
+            report = self._ortlab_report
+            report.graph_breaks[reason] = report.graph_breaks.get(reason, 0) + new
+            fb = Fallback(scope="graph_break", where="ORTModule", reason=f"graph break: {reason}")
+            report.module_fallbacks.append(fb)
+            warn_fallback(fb)
+
+    def _capture_failed(self, error: Exception, args: tuple, kwargs: dict) -> Any:
+        """Dynamo failed: a user error raises as PyTorch would; a capture failure falls back."""
+        # Run the plain module: if PyTorch raises too, the input is wrong, and the user
+        # gets PyTorch's own error; the ORTModule stays usable.
+        out = self._ortlab_module(*args, **kwargs)
+        reason = f"capture failed: {type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
+        if self._ortlab_options.fallback == "raise":
+            raise CaptureError(reason + "\nUse fallback='warn' to run such calls in PyTorch.") from error
+        fb = Fallback(scope="module", where="ORTModule", reason=reason)
+        self._ortlab_report.module_fallbacks.append(fb)
+        warn_fallback(fb)
+        return out
+
+    # ---------------------------------------------------------------------- export
+    def export_onnx(self, path: str, *example_inputs: Any, dynamic_shapes: Any = None, **export_kwargs: Any) -> str:
+        """Write an eval-mode ONNX model of the wrapped module for plain onnxruntime.
+
+        Uses ``torch.onnx.export(..., dynamo=True)`` on the module in eval mode
+        (dropout off, BatchNorm using its running statistics); the training mode is
+        restored afterwards.
+
+        Example:
+            >>> model.export_onnx("model.onnx", torch.randn(1, 4))   # doctest: +SKIP
+        """
+        module = self._ortlab_module
+        was_training = module.training
+        module.eval()
+        try:
+            with torch.no_grad():
+                program = torch.onnx.export(
+                    module, tuple(example_inputs), dynamo=True, dynamic_shapes=dynamic_shapes, **export_kwargs
+                )
+            program.save(path)
+        except Exception as e:
+            raise OrtlabError(f"could not export the module for inference: {e}") from e
+        finally:
+            module.train(was_training)
+        return path

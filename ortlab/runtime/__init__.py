@@ -1,0 +1,1 @@
+"""Runtime: onnxruntime sessions, zero-copy execution and per-op fallback to PyTorch."""

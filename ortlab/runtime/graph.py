@@ -1,0 +1,259 @@
+"""Turn one FX graph into something AOTAutograd can call, running it in onnxruntime.
+
+Ops onnxruntime cannot run (no torchlib translation, random ops, ops the user names
+in ``fallback_ops``, a node whose translation or kernel fails) stay in PyTorch: we
+split the graph with torch.fx's ``CapabilityBasedPartitioner`` into onnxruntime
+partitions and PyTorch nodes, and each onnxruntime partition becomes one session.
+Each op that stays in PyTorch is recorded with its reason and warned once.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import operator
+import re
+import time
+from collections.abc import Callable
+
+import torch
+import torch.fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from ortlab.artifacts import StageWriter
+from ortlab.capture.provenance import module_path, op_name, source_line
+from ortlab.config import DebugOptions, Options
+from ortlab.errors import ExportError, FallbackError, SessionError
+from ortlab.onnx.export import ExportedGraph, export_graph, unsupported_nodes
+from ortlab.report import Fallback, GraphRecord, warn_fallback
+from ortlab.runtime.runner import OrtRunner
+from ortlab.runtime.session import create_session, failing_node, providers_for, save_optimized_models
+
+__all__ = ["GraphContext", "compile_graph", "fx_op_counts"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_RETRIES = 50
+_FAILED_NODE = re.compile(r"translating node %?(\w+)")
+
+
+@dataclasses.dataclass
+class GraphContext:
+    """What compiling a graph needs from its ORTModule."""
+
+    options: Options
+    debug: DebugOptions
+    device: torch.device
+    writer: StageWriter
+    where: str  # "g0"
+
+
+def fx_op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """aten ops of an FX graph and how often each occurs."""
+    counts = collections.Counter(op_name(n) for n in gm.graph.nodes if n.op == "call_function")
+    return dict(counts.most_common())
+
+
+def _matches(node: torch.fx.Node, wanted: str) -> bool:
+    name = op_name(node)
+    wanted = wanted.replace("::", ".")
+    if not wanted.startswith("aten.") and "." not in wanted:
+        wanted = f"aten.{wanted}"
+    return name == wanted or str(node.target) == wanted
+
+
+def _user_fallbacks(gm: torch.fx.GraphModule, ops: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            for want in ops:
+                if _matches(node, want):
+                    out[node.name] = f"named in fallback_ops ({want!r})"
+    return out
+
+
+class _Support(OperatorSupportBase):
+    def __init__(self, blocked: dict[str, str]) -> None:
+        super().__init__()
+        self.blocked = blocked
+
+    def is_node_supported(self, submodules: object, node: torch.fx.Node) -> bool:
+        if node.op != "call_function" or node.name in self.blocked:
+            return False
+        if node.target is operator.getitem:  # keep a getitem with its producer
+            src = node.args[0]
+            return not (isinstance(src, torch.fx.Node) and src.name in self.blocked)
+        return True
+
+
+class _OrtPart(torch.nn.Module):
+    """A fused partition replaced by its onnxruntime session."""
+
+    def __init__(self, runner: OrtRunner, single: bool) -> None:
+        super().__init__()
+        self.runner = runner
+        self.single = single
+
+    def forward(self, *args: object) -> object:
+        out = self.runner(*args)
+        return out[0] if self.single else tuple(out)
+
+
+def _boxed(fn: Callable) -> Callable:
+    def run(args: list) -> object:
+        return fn(*args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+class _Builder:
+    """Exports and creates sessions, keeping the timings and files for the record."""
+
+    def __init__(self, ctx: GraphContext, record: GraphRecord, name: str) -> None:
+        self.ctx, self.record, self.name = ctx, record, name
+        self.providers = providers_for(ctx.device.type, ctx.options)
+        self.exported: list[ExportedGraph] = []
+
+    def runner(self, gm: torch.fx.GraphModule, part: str) -> OrtRunner:
+        stage = self.name if not part else f"{self.name}_{part}"
+        exported = export_graph(gm, stage)
+        self.record.export_s += exported.seconds
+        data = exported.to_bytes()
+        w, mode = self.ctx.writer, self.record.mode
+        w.onnx(f"{stage}_exported", mode, data)
+        optimized = w.path(f"{stage}_execution", mode, "onnx") if w.enabled else None
+        try:
+            session, seconds = create_session(data, self.ctx.options, self.ctx.debug, self.providers, optimized)
+        except SessionError as e:
+            e.exported = exported  # type: ignore[attr-defined]
+            raise
+        self.record.session_s += seconds
+        if w.enabled:
+            w.add([optimized] if optimized else [])
+            w.add(save_optimized_models(data, self.ctx.options, self.ctx.debug, self.providers, w.stem(stage, mode)))
+        for op, count in exported.op_counts().items():
+            self.record.onnx_ops[op] = self.record.onnx_ops.get(op, 0) + count
+        self.record.ort_partitions += 1
+        self.exported.append(exported)
+        return OrtRunner(session, exported.input_kinds, exported.output_kinds, exported.output_dtypes, self.ctx.device)
+
+
+def _culprit(e: Exception) -> tuple[str | None, str]:
+    """The FX node an export or session error points at, and a short reason."""
+    text = f"{e} {e.__cause__ or ''}"
+    if isinstance(e, ExportError):
+        m = _FAILED_NODE.search(text)
+        first = str(e.__cause__.__cause__ if e.__cause__ and e.__cause__.__cause__ else e.__cause__ or e)
+        return (m.group(1) if m else None), f"ONNX translation failed: {first.splitlines()[0][:200]}"
+    onnx_node = failing_node(text)
+    exported = getattr(e, "exported", None)
+    if onnx_node and exported is not None:
+        for node in exported.model.graph:
+            if node.name == onnx_node:
+                fx_name = node.metadata_props.get("ortlab.fx_node")
+                return fx_name, f"onnxruntime has no kernel for it: {text.strip().splitlines()[0][-200:]}"
+    return None, text
+
+
+def compile_graph(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphContext) -> tuple[Callable, GraphRecord]:
+    """Compile ``gm`` for AOTAutograd: a boxed callable and the record of what was done.
+
+    Raises:
+        FallbackError: when ``fallback="raise"`` and anything would run in PyTorch.
+    """
+    record = GraphRecord(name=name, mode=mode, fx_ops=fx_op_counts(gm))
+    ctx.writer.fx(name, mode, gm)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    blocked = {**unsupported_nodes(gm), **_user_fallbacks(gm, tuple(ctx.options.fallback_ops))}
+    builder = _Builder(ctx, record, name)
+    for _ in range(_MAX_RETRIES):
+        _check_raise(blocked, nodes, ctx, name)
+        record.onnx_ops, record.ort_partitions, builder.exported = {}, 0, []
+        try:
+            fn = _build(gm, blocked, builder)
+        except (ExportError, SessionError) as e:
+            culprit, reason = _culprit(e)
+            if culprit is None or culprit not in nodes or culprit in blocked:
+                return _whole_graph_fallback(gm, name, mode, ctx, record, e)
+            blocked[culprit] = reason
+            continue
+        break
+    else:
+        return _whole_graph_fallback(gm, name, mode, ctx, record, RuntimeError("too many failing ops"))
+    for node_name, reason in blocked.items():
+        node = nodes[node_name]
+        fb = Fallback(
+            scope="op",
+            where=f"{ctx.where}.{name}",
+            reason=reason,
+            node=node_name,
+            op=op_name(node),
+            module=module_path(node),
+            source=source_line(node),
+        )
+        record.fallbacks.append(fb)
+        warn_fallback(fb)
+    record.torch_nodes = len(blocked)
+    return fn, record
+
+
+def _check_raise(blocked: dict[str, str], nodes: dict, ctx: GraphContext, name: str) -> None:
+    if blocked and ctx.options.fallback == "raise":
+        lines = [f"  {op_name(nodes[n])} ({n}) at {module_path(nodes[n]) or '<root>'}: {r}" for n, r in blocked.items()]
+        raise FallbackError(
+            f"{len(blocked)} op(s) of graph {ctx.where}.{name} would run in PyTorch, and fallback='raise':\n"
+            + "\n".join(lines)
+            + "\nRemove them from fallback_ops, change the model, or use fallback='warn'."
+        )
+
+
+def _build(gm: torch.fx.GraphModule, blocked: dict[str, str], builder: _Builder) -> Callable:
+    if not blocked:
+        runner = builder.runner(gm, "")
+        return _boxed_runner(runner)
+    partitioner = CapabilityBasedPartitioner(gm, _Support(blocked), allows_single_node_partition=True)
+    partitions = partitioner.propose_partitions()
+    # Partitions of only getitems/size arithmetic are not worth a session.
+    partitions = [p for p in partitions if any(_worth_running(n) for n in p.nodes)]
+    fused = partitioner.fuse_partitions(partitions)
+    for node in list(fused.graph.nodes):
+        if node.op == "call_module" and node.target.startswith("fused_"):
+            sub = getattr(fused, node.target)
+            out = next(n for n in sub.graph.nodes if n.op == "output")
+            single = not isinstance(out.args[0], (tuple, list))
+            if single:
+                out.args = ((out.args[0],),)
+                sub.recompile()
+            runner = builder.runner(sub, node.target)
+            setattr(fused, node.target, _OrtPart(runner, single))
+    fused.recompile()
+    return _boxed(fused.forward)
+
+
+def _worth_running(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _boxed_runner(runner: OrtRunner) -> Callable:
+    def run(args: list) -> list:
+        out = runner(*args)
+        args.clear()  # boxed convention: release inputs as soon as onnxruntime is done
+        return out
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _whole_graph_fallback(gm, name, mode, ctx, record, error) -> tuple[Callable, GraphRecord]:
+    reason = f"graph could not run in onnxruntime: {str(error).splitlines()[0][:300]}"
+    if ctx.options.fallback == "raise":
+        raise FallbackError(f"graph {ctx.where}.{name} would run in PyTorch: {reason}") from error
+    fb = Fallback(scope="graph", where=f"{ctx.where}.{name}", reason=reason)
+    record.fallbacks.append(fb)
+    record.torch_nodes = sum(record.fx_ops.values())
+    warn_fallback(fb)
+    logger.debug("graph %s falls back to PyTorch", name, exc_info=error)
+    return _boxed(gm.forward), record

@@ -1,0 +1,104 @@
+"""onnxruntime sessions: options, providers and the optimized models they run."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+
+import onnxruntime as ort
+
+from ortlab.config import DebugOptions, Options
+from ortlab.errors import DeviceError, SessionError
+
+__all__ = ["providers_for", "session_options", "create_session", "save_optimized_models", "failing_node"]
+
+logger = logging.getLogger(__name__)
+
+_LEVELS = {
+    "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+    "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+    "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+}
+
+
+def providers_for(device_type: str, options: Options) -> list[str]:
+    """Execution providers for a graph whose tensors live on ``device_type``."""
+    if options.providers is not None:
+        return list(options.providers)
+    if device_type == "cpu":
+        return ["CPUExecutionProvider"]
+    if device_type == "cuda":
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise DeviceError(
+                "inputs are on CUDA but this onnxruntime has no CUDAExecutionProvider; "
+                "install the GPU build (pip install 'ortlab[gpu]') or move the model and inputs to CPU."
+            )
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    raise DeviceError(f"device type {device_type!r} is not supported; use cpu or cuda tensors.")
+
+
+def session_options(
+    options: Options,
+    debug: DebugOptions,
+    *,
+    level: str | None = None,
+    optimized_path: str | None = None,
+) -> ort.SessionOptions:
+    """SessionOptions for a training graph."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = _LEVELS[level or options.graph_optimization_level]
+    so.log_severity_level = debug.log_level.to_ort_severity()
+    if options.intra_op_num_threads is not None:
+        so.intra_op_num_threads = options.intra_op_num_threads
+    if optimized_path is not None:
+        so.optimized_model_filepath = optimized_path
+    return so
+
+
+def create_session(
+    model_bytes: bytes,
+    options: Options,
+    debug: DebugOptions,
+    providers: list[str],
+    optimized_path: str | None = None,
+) -> tuple[ort.InferenceSession, float]:
+    """Build the session a graph runs in; returns it with the seconds it took.
+
+    Raises:
+        SessionError: with onnxruntime's message (see :func:`failing_node`).
+    """
+    start = time.perf_counter()
+    so = session_options(options, debug, optimized_path=optimized_path)
+    try:
+        session = ort.InferenceSession(model_bytes, sess_options=so, providers=providers)
+    except Exception as e:  # onnxruntime raises its own pybind exception types
+        raise SessionError(f"onnxruntime could not create a session: {e}") from e
+    return session, time.perf_counter() - start
+
+
+def save_optimized_models(model_bytes: bytes, options: Options, debug: DebugOptions, providers: list[str], stem: str) -> list[str]:
+    """Save the model as onnxruntime optimizes it at each level: ``{stem}`` with the level inserted."""
+    written = []
+    for level in ("basic", "extended", "all"):
+        path = stem.format(stage=f"ort_{level}")
+        so = session_options(options, debug, level=level, optimized_path=path)
+        try:
+            ort.InferenceSession(model_bytes, sess_options=so, providers=providers)
+            written.append(path)
+        except Exception as e:  # a level may fail where the chosen one works; say so, keep going
+            logger.warning("could not save the onnxruntime-optimized model at level %s: %s", level, e)
+    return [p for p in written if os.path.exists(p)]
+
+
+_NODE_IN_ERROR = re.compile(r"node with name '([^']+)'|Node \(([^)]+)\)|node_name: ?'?([\w./:-]+)")
+
+
+def failing_node(message: str) -> str | None:
+    """The ONNX node name an onnxruntime error message points at, if any."""
+    m = _NODE_IN_ERROR.search(message)
+    if not m:
+        return None
+    return next(g for g in m.groups() if g)
