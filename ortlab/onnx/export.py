@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterator
 
 import onnx_ir as ir
+from onnx_ir.passes.common import InlinePass
 import torch
 import torch.fx
 from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
@@ -236,8 +237,15 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
 
     # torchlib's shape guesses for intermediate values can be wrong with symbolic
     # sizes (onnxruntime then warns on every run); let onnxruntime infer them.
+    if model.functions:
+        # onnxruntime would inline these itself, leaving nodes without names its
+        # errors could point at; inline them here so every node keeps provenance.
+        InlinePass()(model)
     outputs = set(id(v) for v in graph.outputs)
-    for node in graph:
+    for index, node in enumerate(graph):
+        if not node.name:  # onnxruntime's errors name the node; make every name findable
+            fx = node.meta.get("node")
+            node.name = f"node_{fx.name}_{node.op_type}_{index}" if fx is not None else f"node_{node.op_type}_{index}"
         for v in node.outputs:
             if id(v) not in outputs:
                 v.shape = None

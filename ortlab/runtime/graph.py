@@ -25,7 +25,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from ortlab.artifacts import StageWriter
 from ortlab.capture.provenance import module_path, op_name, source_line
 from ortlab.config import DebugOptions, Options
-from ortlab.errors import ExportError, FallbackError, SessionError
+from ortlab.errors import ExportError, FallbackError, SessionError, first_line
 from ortlab.onnx.export import ExportedGraph, export_graph, unsupported_nodes
 from ortlab.report import Fallback, GraphRecord, warn_fallback
 from ortlab.runtime.runner import OrtRunner
@@ -141,21 +141,36 @@ class _Builder:
         return OrtRunner(session, exported.input_kinds, exported.output_kinds, exported.output_dtypes, self.ctx.device)
 
 
-def _culprit(e: Exception) -> tuple[str | None, str]:
-    """The FX node an export or session error points at, and a short reason."""
+def _value_dtype(node: object) -> object:
+    """The dtype a kernel is chosen by: the first output's (Where's input is a bool mask)."""
+    values = [v for v in node.outputs if v is not None] or [v for v in node.inputs if v is not None]  # type: ignore[attr-defined]
+    return values[0].dtype if values else None
+
+
+def _culprits(e: Exception) -> tuple[list[str], str]:
+    """The FX nodes an export or session error points at, and a short reason.
+
+    A missing onnxruntime kernel (say MatMul for bfloat16 on CPU) blocks every node
+    of that ONNX op type and input dtype at once, not one node per retry.
+    """
     text = f"{e} {e.__cause__ or ''}"
     if isinstance(e, ExportError):
         m = _FAILED_NODE.search(text)
-        first = str(e.__cause__.__cause__ if e.__cause__ and e.__cause__.__cause__ else e.__cause__ or e)
-        return (m.group(1) if m else None), f"ONNX translation failed: {first.splitlines()[0][:200]}"
-    onnx_node = failing_node(text)
+        root = e.__cause__.__cause__ if e.__cause__ is not None and e.__cause__.__cause__ is not None else e.__cause__
+        return ([m.group(1)] if m else []), f"ONNX translation failed: {first_line(root or e)}"
+    onnx_name = failing_node(text)
     exported = getattr(e, "exported", None)
-    if onnx_node and exported is not None:
-        for node in exported.model.graph:
-            if node.name == onnx_node:
-                fx_name = node.metadata_props.get("ortlab.fx_node")
-                return fx_name, f"onnxruntime has no kernel for it: {text.strip().splitlines()[0][-200:]}"
-    return None, text
+    if not onnx_name or exported is None:
+        return [], text
+    graph_nodes = list(exported.model.graph)
+    bad = next((n for n in graph_nodes if n.name == onnx_name), None)
+    if bad is None:
+        return [], text
+    dtype = _value_dtype(bad)
+    same = [n for n in graph_nodes if n.op_type == bad.op_type and _value_dtype(n) == dtype]
+    names = [n.metadata_props["ortlab.fx_node"] for n in same if "ortlab.fx_node" in n.metadata_props]
+    kind = "no kernel" if "NOT_IMPLEMENTED" in text else "rejects the node"
+    return names, f"onnxruntime {kind} for ONNX {bad.op_type} on {dtype}"
 
 
 def compile_graph(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphContext) -> tuple[Callable, GraphRecord]:
@@ -175,10 +190,11 @@ def compile_graph(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphCont
         try:
             fn = _build(gm, blocked, builder)
         except (ExportError, SessionError) as e:
-            culprit, reason = _culprit(e)
-            if culprit is None or culprit not in nodes or culprit in blocked:
+            culprits, reason = _culprits(e)
+            new = [c for c in culprits if c in nodes and c not in blocked]
+            if not new:
                 return _whole_graph_fallback(gm, name, mode, ctx, record, e)
-            blocked[culprit] = reason
+            blocked.update({c: reason for c in new})
             continue
         break
     else:
@@ -210,7 +226,18 @@ def _check_raise(blocked: dict[str, str], nodes: dict, ctx: GraphContext, name: 
         )
 
 
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A fresh graph with the same node names and (shallow-copied) meta."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
 def _build(gm: torch.fx.GraphModule, blocked: dict[str, str], builder: _Builder) -> Callable:
+    # Export inserts type-promotion nodes and fusing partitions rewrites the graph in
+    # place: work on a copy so a retry starts from the graph AOTAutograd gave us.
+    gm = _copy(gm)
     if not blocked:
         runner = builder.runner(gm, "")
         return _boxed_runner(runner)
@@ -248,10 +275,11 @@ def _boxed_runner(runner: OrtRunner) -> Callable:
 
 
 def _whole_graph_fallback(gm, name, mode, ctx, record, error) -> tuple[Callable, GraphRecord]:
-    reason = f"graph could not run in onnxruntime: {str(error).splitlines()[0][:300]}"
+    reason = f"graph could not run in onnxruntime: {first_line(error)}"
     if ctx.options.fallback == "raise":
         raise FallbackError(f"graph {ctx.where}.{name} would run in PyTorch: {reason}") from error
     fb = Fallback(scope="graph", where=f"{ctx.where}.{name}", reason=reason)
+    record.onnx_ops, record.ort_partitions = {}, 0
     record.fallbacks.append(fb)
     record.torch_nodes = sum(record.fx_ops.values())
     warn_fallback(fb)

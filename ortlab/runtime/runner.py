@@ -30,12 +30,6 @@ _NP_DTYPES = {
     torch.uint8: np.dtype(np.uint8),
     torch.bool: np.dtype(np.bool_),
 }
-try:  # bfloat16 needs ml_dtypes' numpy dtype
-    import ml_dtypes
-
-    _NP_DTYPES[torch.bfloat16] = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes ships with onnx
-    pass
 
 _SCALAR_DTYPES = {"int": torch.int64, "float": torch.float32, "bool": torch.bool}
 
@@ -93,13 +87,17 @@ class OrtRunner:
         tensors = [self._as_tensor(a, k) for a, k in zip(args, self.input_kinds)]
         inputs = C.OrtValueVector()
         inputs.reserve(len(tensors))
-        inputs.push_back_batch(
-            tensors,
-            [t.data_ptr() for t in tensors],
-            [_NP_DTYPES[t.dtype] for t in tensors],
-            [t.shape for t in tensors],
-            self._in_devices,
-        )
+        try:
+            np_dtypes = [_NP_DTYPES[t.dtype] for t in tensors]
+        except KeyError:  # bfloat16 & co have no numpy dtype: wrap each through DLPack
+            np_dtypes = None
+        if np_dtypes is not None:
+            inputs.push_back_batch(
+                tensors, [t.data_ptr() for t in tensors], np_dtypes, [t.shape for t in tensors], self._in_devices
+            )
+        else:
+            for t in tensors:
+                inputs.push_back(C.OrtValue.from_dlpack(t.__dlpack__(), t.dtype == torch.bool))
         outputs = C.OrtValueVector()
         self._sess.run_with_ortvaluevector(
             self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices

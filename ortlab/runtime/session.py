@@ -55,6 +55,9 @@ def session_options(
         so.intra_op_num_threads = options.intra_op_num_threads
     if optimized_path is not None:
         so.optimized_model_filepath = optimized_path
+    # onnxruntime's idle threads spin by default, burning the cores PyTorch needs for
+    # the ops between sessions (fallback ops, the optimizer, the data loader).
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return so
 
 
@@ -93,7 +96,7 @@ def save_optimized_models(model_bytes: bytes, options: Options, debug: DebugOpti
     return [p for p in written if os.path.exists(p)]
 
 
-_NODE_IN_ERROR = re.compile(r"node with name '([^']+)'|Node \(([^)]+)\)|node_name: ?'?([\w./:-]+)")
+_NODE_IN_ERROR = re.compile(r"node with name '([^']+)'|[Nn]ode \(([^)]+)\)")
 
 
 def failing_node(message: str) -> str | None:
