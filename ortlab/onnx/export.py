@@ -227,11 +227,9 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
             value = ident.outputs[0]
             value.name = f"{out.name}_out{i}"
         used.add(id(value))
-        if kind == "tensor":
-            _core._set_shape_type(value, val, complex_to_float=True)
-            output_dtypes.append(val.dtype)
-        else:
-            output_dtypes.append(None)
+        value.dtype = None  # re-derive from the FX value: torchlib's guesses can be off
+        _core._set_shape_type(value, val, complex_to_float=True)
+        output_dtypes.append(val.dtype if kind == "tensor" else None)
         output_kinds.append(kind)
         graph.outputs.append(value)
 

@@ -18,6 +18,7 @@ is, where it comes from, its bytes, and whether this plan recomputes it and why.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from collections.abc import Sequence
 
@@ -31,6 +32,33 @@ from ortlab.capture.provenance import module_path, op_name, source_line
 __all__ = ["SavedActivation", "RecomputePlan", "partition_joint"]
 
 _LAYER = re.compile(r"^(.*?\.\d+)(\.|$)")
+# Ops that only re-describe memory: free to recompute, and not what a user means by "the op".
+_VIEW_OPS = {
+    "aten.view", "aten._unsafe_view", "aten.reshape", "aten.t", "aten.transpose", "aten.permute",
+    "aten.expand", "aten.clone", "aten.detach", "aten.alias", "aten.squeeze", "aten.unsqueeze",
+    "aten.slice", "aten.select",
+}
+
+
+def _producer(node: torch.fx.Node) -> torch.fx.Node:
+    """The op behind a chain of views: ``view(gelu(x))`` -> the gelu node."""
+    while (op_name(node) in _VIEW_OPS or node.target is operator.getitem) and node.args:
+        if not isinstance(node.args[0], torch.fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
+def _tag_view_users(forward: list[torch.fx.Node], reasons: dict[str, str]) -> None:
+    """Views of a recomputed node are recomputed with it (else they'd be saved instead)."""
+    in_forward = set(forward)
+    for node in forward:
+        if node.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+            continue
+        for user in node.users:
+            if user in in_forward and op_name(user) in _VIEW_OPS and user.meta.get("recompute") is None:
+                user.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+                reasons.setdefault(user.name, reasons.get(node.name, "view of a recomputed node"))
 
 
 @dataclasses.dataclass
@@ -107,7 +135,11 @@ def _layer_of(node: torch.fx.Node) -> str | None:
 
 
 def _recomputable(node: torch.fx.Node) -> bool:
-    if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+    val = node.meta.get("val")
+    tensors = isinstance(val, torch.Tensor) or (
+        isinstance(val, (tuple, list)) and val and all(isinstance(v, torch.Tensor) for v in val)
+    )
+    if node.op != "call_function" or not tensors:
         return False
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
@@ -116,28 +148,25 @@ def _recomputable(node: torch.fx.Node) -> bool:
     return True
 
 
-def _forward_nodes(joint: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """Nodes of the joint graph that do not depend on a tangent (the forward part)."""
-    backward: set[torch.fx.Node] = set()
-    nodes = []
-    for node in joint.graph.nodes:
-        if node.op == "placeholder":
-            if "tangents" in node.name:
-                backward.add(node)
+def _forward_nodes(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> list[torch.fx.Node]:
+    """Nodes of the joint graph the forward outputs depend on, in graph order."""
+    out = next(n for n in reversed(joint.graph.nodes) if n.op == "output")
+    flat = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    stack = [n for n in flat[:num_fwd_outputs] if isinstance(n, torch.fx.Node)]
+    needed: set[torch.fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in needed:
             continue
-        if node.op == "output":
-            continue
-        if any(isinstance(a, torch.fx.Node) and a in backward for a in node.all_input_nodes):
-            backward.add(node)
-            continue
-        nodes.append(node)
-    return nodes
+        needed.add(node)
+        stack.extend(node.all_input_nodes)
+    return [n for n in joint.graph.nodes if n in needed and n.op not in ("placeholder", "output")]
 
 
-def _tag_layerwise(joint: torch.fx.GraphModule) -> dict[str, str]:
+def _tag_layerwise(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> dict[str, str]:
     """Recompute everything inside each repeated layer (``<path>.<index>``), save layer outputs."""
     reasons = {}
-    for node in _forward_nodes(joint):
+    for node in _forward_nodes(joint, num_fwd_outputs):
         layer = _layer_of(node)
         if layer is None or not _recomputable(node):
             continue
@@ -150,14 +179,15 @@ def _tag_layerwise(joint: torch.fx.GraphModule) -> dict[str, str]:
     return reasons
 
 
-def _tag_selected(joint: torch.fx.GraphModule, selectors: Sequence[str]) -> dict[str, str]:
-    reasons = {}
-    for node in _forward_nodes(joint):
+def _tag_selected(joint: torch.fx.GraphModule, num_fwd_outputs: int, selectors: Sequence[str]) -> dict[str, str]:
+    reasons: dict[str, str] = {}
+    forward = _forward_nodes(joint, num_fwd_outputs)
+    for node in forward:
         if not _recomputable(node):
             continue
         for sel in selectors:
             if sel.startswith("op:"):
-                hit = op_name(node) == sel[3:] or str(node.target).startswith(sel[3:])
+                hit = op_name(_producer(node)) == sel[3:] or str(node.target).startswith(sel[3:])
             elif sel.startswith("module:"):
                 path = module_path(node)
                 hit = path == sel[7:] or path.startswith(sel[7:] + ".")
@@ -167,7 +197,28 @@ def _tag_selected(joint: torch.fx.GraphModule, selectors: Sequence[str]) -> dict
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
                 reasons[node.name] = f"selected by {sel!r}"
                 break
+    _tag_view_users(forward, reasons)
     return reasons
+
+
+def _save_recompute_inputs(joint: torch.fx.GraphModule) -> None:
+    """A recomputed node's untagged inputs must be saved, or the backward cannot rebuild it.
+
+    ``default_partition`` only saves nodes with direct backward users; a node whose
+    only backward-side consumer is a recomputed node would otherwise be lost.
+    """
+    for node in joint.graph.nodes:
+        if node.meta.get("recompute") != CheckpointPolicy.MUST_RECOMPUTE:
+            continue
+        for inp in node.all_input_nodes:
+            if inp.op == "placeholder" or inp.meta.get("recompute") is not None:
+                continue
+            if isinstance(inp.meta.get("val"), (tuple, list)):
+                # A getitem of a multi-output op (native_layer_norm) that is not
+                # recomputed: save the getitem's own output instead of the tuple.
+                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+            else:
+                inp.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def partition_joint(
@@ -191,12 +242,18 @@ def partition_joint(
     elif policy == "auto":
         fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
     else:
-        reasons = _tag_layerwise(joint) if policy == "layerwise" else _tag_selected(joint, policy)
+        if policy == "layerwise":
+            reasons = _tag_layerwise(joint, num_fwd_outputs)
+        else:
+            reasons = _tag_selected(joint, num_fwd_outputs, policy)
+        _save_recompute_inputs(joint)
         fw, bw = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
     saved = set(_saved_nodes(fw, num_fwd_outputs))
     activations = []
     for name in baseline:
         node = nodes.get(name)
+        if node is not None and _producer(node).op == "placeholder":
+            continue  # a view of a parameter or input: alive anyway, not an activation
         val = (node.meta.get("val") if node is not None else None)
         shape, dtype, nbytes = _nbytes(val)
         recomputed = name not in saved
@@ -204,12 +261,12 @@ def partition_joint(
         activations.append(
             SavedActivation(
                 name=name,
-                op=op_name(node) if node is not None else "?",
+                op=op_name(_producer(node)) if node is not None else "?",
                 shape=shape,
                 dtype=dtype,
                 bytes=nbytes,
-                module=module_path(node) if node is not None else "",
-                source=source_line(node) if node is not None else "",
+                module=module_path(_producer(node)) if node is not None else "",
+                source=source_line(_producer(node)) if node is not None else "",
                 recomputed=recomputed,
                 reason=reason,
             )
@@ -217,7 +274,9 @@ def partition_joint(
     saved_bytes = 0
     fw_nodes = {n.name: n for n in fw.graph.nodes}
     for name in saved:
-        saved_bytes += _nbytes(fw_nodes[name].meta.get("val"))[2] if name in fw_nodes else 0
+        node = fw_nodes.get(name)
+        if node is not None and _producer(node).op != "placeholder":
+            saved_bytes += _nbytes(node.meta.get("val"))[2]
     plan = RecomputePlan(
         policy=policy if isinstance(policy, str) else ",".join(policy),
         activations=activations,

@@ -1,0 +1,76 @@
+"""Recomputation: identical results, fewer saved bytes, and a readable plan."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ortlab
+from ortlab.models import GPT, GPTConfig, make_batch
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture(scope="module")
+def gpt_and_batch():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=50, d_model=32, n_heads=2, n_layers=3, block_size=16))
+    return model, make_batch("gpt", 4, vocab=50, block_size=16)
+
+
+def run(model, batch, **options):
+    om = ortlab.ORTModule(copy.deepcopy(model), **options)
+    loss = om(*batch)
+    loss.backward()
+    return om, loss, {n: p.grad for n, p in om.named_parameters()}
+
+
+@pytest.mark.filterwarnings("ignore::ortlab.FallbackWarning")
+def test_policies_give_identical_results_and_save_less(gpt_and_batch):
+    model, batch = gpt_and_batch
+    base, loss0, grads0 = run(model, batch, recompute="none")
+    plan0 = base.report.captures[0].plan
+    assert plan0.saved_bytes == plan0.baseline_bytes > 0
+    assert not plan0.recomputed
+    results = {}
+    for policy in ("auto", "layerwise", ["op:aten.gelu", "module:blocks.0.ln2"]):
+        om, loss, grads = run(model, batch, recompute=policy)
+        torch.testing.assert_close(loss, loss0, rtol=RTOL, atol=ATOL)
+        for name, g in grads0.items():
+            torch.testing.assert_close(grads[name], g, rtol=RTOL, atol=ATOL, msg=lambda m: f"{policy} {name}: {m}")
+        results[str(policy)] = om.report.captures[0].plan
+    layerwise = results["layerwise"]
+    assert layerwise.saved_bytes * 2 <= plan0.saved_bytes, (layerwise.saved_bytes, plan0.saved_bytes)
+    assert all(a.reason.startswith("layerwise: inside layer blocks.") for a in layerwise.recomputed)
+    assert results["auto"].saved_bytes <= plan0.saved_bytes
+    selected = results[str(["op:aten.gelu", "module:blocks.0.ln2"])]
+    recomputed_ops = {a.op for a in selected.recomputed}
+    assert "aten.gelu" in recomputed_ops
+    assert any(a.module == "blocks.0.ln2" for a in selected.recomputed)
+    assert all(a.module == "blocks.0.ln2" or a.op == "aten.gelu" for a in selected.recomputed)
+    assert selected.saved_bytes < plan0.saved_bytes
+
+
+def test_plan_table_lists_activations_with_provenance(gpt_and_batch):
+    model, batch = gpt_and_batch
+    om, _, _ = run(model, batch, recompute="layerwise")
+    plan = om.report.captures[0].plan
+    table = plan.table()
+    assert table.splitlines()[0].split() == ["name", "op", "shape", "dtype", "bytes", "module", "recomputed"]
+    row = next(a for a in plan.activations if a.op == "aten.gelu")
+    assert row.shape == (4 * 16, 128) and row.dtype == "float32" and row.bytes == 4 * 16 * 128 * 4
+    assert row.module.startswith("blocks.") and "models.py" in row.source
+    assert row.recomputed and row.reason.startswith("layerwise: inside layer blocks.")
+    # Parameters (and their transposes) are not activations.
+    assert not any(a.name.startswith("t_") or a.name == "t" for a in plan.activations)
+    assert "saved activations (layerwise)" in str(om.report)
+
+
+def test_recompute_from_environment(monkeypatch, gpt_and_batch):
+    monkeypatch.setenv("ORTLAB_RECOMPUTE", "layerwise")
+    opts = ortlab.Options()
+    assert opts.recompute == "layerwise" and "ORTLAB_RECOMPUTE" in opts.from_env
+    monkeypatch.setenv("ORTLAB_RECOMPUTE", "gelu_1,op:aten.mm")
+    assert ortlab.Options().recompute == ("gelu_1", "op:aten.mm")
