@@ -7,6 +7,9 @@ ops torchlib translates directly) and change it in three places, each a real gap
   ``_scaled_dot_product_flash_attention_for_cpu`` whose backward has no ONNX
   translation. ``capture.backend`` rewrites it to :func:`sdpa_math` in the Dynamo
   graph, before AOTAutograd differentiates it.
+* training-mode batch norm: onnxruntime's BatchNormalization kernel uses the
+  running statistics even with ``training_mode=1``; torch's decomposition computes
+  the batch statistics with plain reductions.
 * ``nll_loss_forward``/``nll_loss_backward``: torchlib's backward ignores
   ``total_weight`` (gradients came out ``B*T`` times too large in our spike), so we
   use torch's decompositions instead.
@@ -29,6 +32,12 @@ aten = torch.ops.aten
 
 # Ops whose torchlib translation gives wrong results; traced through torch's decomposition.
 _FORCE_DECOMPOSE = (
+    # Training-mode BatchNormalization: onnxruntime's CPU kernel ignores
+    # training_mode and normalizes with the running statistics (outputs and
+    # running stats diverged from eager at the first step).
+    aten._native_batch_norm_legit_functional.default,
+    aten._native_batch_norm_legit.default,
+    aten.native_batch_norm.default,
     aten.nll_loss_forward.default,
     aten.nll_loss_backward.default,
     aten.nll_loss2d_forward.default,
