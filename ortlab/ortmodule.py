@@ -43,8 +43,14 @@ _OWN = (
 )
 # Dynamo settings for our calls: many ORTModules of one class share Dynamo's
 # per-code cache, so allow more entries, and never drop to eager silently when the
-# limit is hit: it raises, and we record the fallback with its reason.
-_DYNAMO_CONFIG = {"recompile_limit": 64, "accumulated_recompile_limit": 1024, "fail_on_recompile_limit_hit": True}
+# limit is hit: it raises, and we record the fallback with its reason. Hooks added
+# after the first call must re-capture, not be silently ignored: guard on them.
+_DYNAMO_CONFIG = {
+    "recompile_limit": 64,
+    "accumulated_recompile_limit": 1024,
+    "fail_on_recompile_limit_hit": True,
+    "skip_nnmodule_hook_guards": False,
+}
 
 
 def _check_leaf(leaf: object) -> None:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import torch._functorch.config
 import torch.fx
 from torch._dynamo import exc as dynamo_exc
 from torch._functorch.aot_autograd import aot_module_simplified
@@ -111,15 +112,18 @@ class OrtlabBackend:
             return fw, bw
 
         try:
-            compiled = aot_module_simplified(
-                gm,
-                example_inputs,
-                fw_compiler=compiler("forward", "train"),
-                bw_compiler=compiler("backward", "train"),
-                inference_compiler=compiler("inference", "eval"),
-                decompositions=decomposition_table(),
-                partition_fn=partition,
-            )
+            # Donated buffers are an Inductor memory trick we do not use; left on, they
+            # make backward(retain_graph=True) raise.
+            with torch._functorch.config.patch(donated_buffer=False):
+                compiled = aot_module_simplified(
+                    gm,
+                    example_inputs,
+                    fw_compiler=compiler("forward", "train"),
+                    bw_compiler=compiler("backward", "train"),
+                    inference_compiler=compiler("inference", "eval"),
+                    decompositions=decomposition_table(),
+                    partition_fn=partition,
+                )
         except (FallbackError, DeviceError, dynamo_exc.RestartAnalysis, dynamo_exc.TensorifyScalarRestartAnalysis):
             raise  # ours to report, or Dynamo's own control flow (it re-traces)
         except Exception as e:  # AOTAutograd/functionalization can fail on exotic code

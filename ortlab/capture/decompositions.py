@@ -63,6 +63,10 @@ def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     registry = get_registry()
     onnx_ops = set(_decomp.get_onnx_implemented_overloads(registry))
     table = dict(_decomp.create_onnx_friendly_decomposition_table(onnx_ops))
+    # lift_fresh's decomposition aliases the *real* constant under FakeTensorMode and
+    # AOTAutograd rejects it (``h[:, 0] = 0.0`` failed to capture); AOTAutograd handles
+    # lift_fresh itself.
+    table.pop(aten.lift_fresh.default, None)
     for op in _FORCE_DECOMPOSE:
         if op in _torch_decomps:
             table[op] = _torch_decomps[op]

@@ -104,4 +104,6 @@ def failing_node(message: str) -> str | None:
     m = _NODE_IN_ERROR.search(message)
     if not m:
         return None
-    return next(g for g in m.groups() if g)
+    name = next((g for g in m.groups() if g), None)
+    # onnxruntime's optimizers rename fused nodes: "node_addmm/GemmTransposeFusion/".
+    return name.split("/")[0] if name else None
