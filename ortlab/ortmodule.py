@@ -53,6 +53,22 @@ _DYNAMO_CONFIG = {
 }
 
 
+def _disable_donated_buffers() -> None:
+    """Turn off AOTAutograd's donated buffers, process-wide.
+
+    Donated buffers are an Inductor memory optimization ortlab does not use; left on,
+    ``loss.backward(retain_graph=True)`` followed by another backward raises. AOTAutograd
+    reads the flag when the backward *runs*, so a scoped patch cannot reach it. The
+    cost falls on torch.compile(inductor) models in the same process: their saved
+    tensors are no longer freed early during backward.
+    """
+    import torch._functorch.config as functorch_config
+
+    if functorch_config.donated_buffer:
+        functorch_config.donated_buffer = False
+        logger.info("ortlab turned off torch._functorch.config.donated_buffer (see ORTModule docs)")
+
+
 def _check_leaf(leaf: object) -> None:
     if isinstance(leaf, np.ndarray):
         raise UnsupportedInputError(
@@ -109,6 +125,7 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_non_persistent_buffers_set", module._non_persistent_buffers_set)
         object.__setattr__(self, "training", module.training)
         logging.getLogger("ortlab").setLevel(debug.log_level.to_logging())
+        _disable_donated_buffers()
         self._ortlab_reset()
 
     # ----------------------------------------------------------------- engine state
@@ -201,7 +218,21 @@ class ORTModule(nn.Module):
                 "Move them with module.to(device) and tensor.to(device)."
             )
 
+    # Container modules (nn.Sequential, nn.ModuleList) keep indexing and iteration.
+    def __len__(self) -> int:
+        return len(self._ortlab_module)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._ortlab_module[index]  # type: ignore[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._ortlab_module)  # type: ignore[call-overload]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Inside an enclosing ORTModule or torch.compile: be traced as the plain
+            # module, so the outer capture sees one graph instead of breaking here.
+            return self._ortlab_module(*args, **kwargs)
         self._check_inputs(args, kwargs)
         first = self._ortlab_calls == 0
         breaks_before = dict(counters["graph_break"])

@@ -112,8 +112,6 @@ class OrtlabBackend:
             return fw, bw
 
         try:
-            # Donated buffers are an Inductor memory trick we do not use; left on, they
-            # make backward(retain_graph=True) raise.
             with torch._functorch.config.patch(donated_buffer=False):
                 compiled = aot_module_simplified(
                     gm,

@@ -30,11 +30,12 @@ import onnx_ir as ir
 from onnx_ir.passes.common import InlinePass
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
 
 from ortlab.capture.decompositions import get_registry
 from ortlab.capture.provenance import module_path, op_name, source_line
-from ortlab.errors import ExportError
+from ortlab.errors import ExportError, first_line
 
 __all__ = ["ExportedGraph", "export_graph", "unsupported_nodes", "get_registry", "value_kind"]
 
@@ -117,7 +118,10 @@ class ExportedGraph:
         return dict(collections.Counter(n.op_type for n in self.model.graph).most_common())
 
     def to_bytes(self) -> bytes:
-        return ir.to_proto(self.model).SerializeToString()
+        try:
+            return ir.to_proto(self.model).SerializeToString()
+        except Exception as e:  # onnx_ir raises SerdeError and others
+            raise ExportError(f"could not serialize graph {self.model.graph.name!r}: {first_line(e)}") from e
 
 
 def unsupported_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
@@ -184,6 +188,11 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
         producer_name="ortlab",
         producer_version=torch.__version__,
     )
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and isinstance(getattr(gm, str(node.target), None), torch.Tensor):
+            # Lifted constants carry a FakeTensor as "val"; the initializer needs the data.
+            with unset_fake_temporarily():  # AOTAutograd compiles under its FakeTensorMode
+                node.meta["val"] = getattr(gm, str(node.target)).detach()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     input_kinds = []
     for node in placeholders:

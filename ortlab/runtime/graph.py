@@ -25,7 +25,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from ortlab.artifacts import StageWriter
 from ortlab.capture.provenance import module_path, op_name, source_line
 from ortlab.config import DebugOptions, Options
-from ortlab.errors import ExportError, FallbackError, SessionError, first_line
+from ortlab.errors import DeviceError, ExportError, FallbackError, SessionError, first_line
 from ortlab.onnx.export import ExportedGraph, export_graph, unsupported_nodes
 from ortlab.report import Fallback, GraphRecord, warn_fallback
 from ortlab.runtime.runner import OrtRunner
@@ -196,6 +196,11 @@ def compile_graph(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphCont
                 return _whole_graph_fallback(gm, name, mode, ctx, record, e)
             blocked.update({c: reason for c in new})
             continue
+        except (FallbackError, DeviceError):
+            raise
+        except Exception as e:  # a bug on our side or in a library: never crash training
+            logger.warning("ortlab: unexpected error while compiling %s.%s", ctx.where, name, exc_info=e)
+            return _whole_graph_fallback(gm, name, mode, ctx, record, e)
         break
     else:
         return _whole_graph_fallback(gm, name, mode, ctx, record, RuntimeError("too many failing ops"))

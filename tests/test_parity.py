@@ -1,0 +1,671 @@
+"""Parity of ORTModule with eager PyTorch.
+
+fp32: outputs and grads within rtol 1e-4 / atol 1e-5; integers, bools and indices
+exactly; structure (tuple/dict/namedtuple/None leaves), dtypes and ``requires_grad``
+identical. Every test builds an eager twin with ``copy.deepcopy`` *before* wrapping.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from conftest import (
+    BF16_ATOL,
+    BF16_RTOL,
+    BN_GRAD_ATOL,
+    assert_grads_close,
+    assert_parity,
+    assert_ran_in_ort,
+    assert_state_dict_close,
+    assert_tree_close,
+    loss_of,
+    run_step,
+    seed_all,
+    twin,
+)
+from models import GPT_CONFIG, Stage, make, randn
+from torch import nn
+
+import ortlab
+from ortlab.models import GPT, GPTConfig
+
+pytestmark = pytest.mark.filterwarnings("ignore::ortlab.FallbackWarning")
+
+
+# ------------------------------------------------------------------------------ reference models
+def test_tiny_mlp_outputs_grads_and_logits():
+    module, inputs = make("tiny_mlp")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=2)  # loss with labels; grads accumulate over 2 calls
+    (x, y), _ = inputs(5)
+    run_step(eager, om, (x,))  # logits path (y=None default) re-captures, still right
+    wide = torch.cat([x, x], dim=1)
+    run_step(eager, om, (wide[:, ::2], y))  # a non-contiguous input
+    run_step(eager, om, (x.t().contiguous().t(), y))  # column-major strides
+    assert_ran_in_ort(om)
+
+
+def test_tiny_gpt_logits_loss_and_grads():
+    module, inputs = make("tiny_gpt")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=2)
+    (idx, _), _ = inputs(7)
+    run_step(eager, om, (idx,))  # targets=None: logits (B, T, vocab)
+    assert_ran_in_ort(om)
+
+
+# --------------------------------------------------------------------------------- arguments
+def test_positional_keyword_none_and_default_arguments():
+    module, inputs = make("kwargs_defaults")
+    eager, om = twin(module)
+    (x,), _ = inputs(0)
+    y, bias = randn(1, 4, 8), randn(2, 8)
+    mask = randn(3, 4, 8) > 0
+    calls = [
+        ((x,), {}),  # all defaults
+        ((x, y), {}),  # positional optional
+        ((x,), {"y": y}),  # same value by keyword
+        ((x, None, 2.0), {}),  # explicit None and a positional non-default scalar
+        ((x,), {"y": None, "mask": mask}),  # keyword-only bool mask
+        ((x, y), {"scale": 0.25, "mask": mask, "bias": bias}),  # everything
+        ((x,), {"mask": None, "bias": None}),  # explicit Nones equal to defaults
+        ((x,), {}),  # back to the first structure
+    ]
+    for i, (args, kwargs) in enumerate(calls):
+        run_step(eager, om, args, kwargs, seed=i)
+    assert_ran_in_ort(om)
+
+
+def test_varargs_and_varkwargs():
+    module, inputs = make("varargs")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=1)
+    a, b, c = randn(10, 3, 4), randn(11, 3, 4), randn(12, 3, 4)
+    run_step(eager, om, (a,), {})
+    run_step(eager, om, (a, b, c), {"a": b, "c": c})
+    run_step(eager, om, (c, a), {"b": a, "a": c})  # same structure, other values
+    assert_ran_in_ort(om)
+
+
+def test_nested_list_and_dict_inputs():
+    module, inputs = make("nested_inputs")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=2)
+    (batch,), kwargs = inputs(3)
+    batch["feats"].append(randn(20, 3, 5))  # longer list
+    batch["extra"]["skip"] = randn(21, 3, 5)  # None leaf becomes a tensor
+    batch["alpha"] = 1.5
+    run_step(eager, om, (batch,), {"pairs": []})
+    run_step(eager, om, (batch,), {})  # pairs default None
+    assert_ran_in_ort(om)
+
+
+def test_inputs_that_require_grad():
+    module, inputs = make("nested_inputs")
+    eager, om = twin(module)
+    (batch,), kwargs = inputs(0)
+    batch["feats"][0].requires_grad_(True)  # one list member needs grad, the other not
+    batch["extra"]["w"].requires_grad_(True)
+    kwargs["pairs"][0][1].requires_grad_(True)
+    run_step(eager, om, (batch,), kwargs)  # compares every input's .grad too
+    (x, _), _ = make("tiny_mlp")[1](0)
+    module2, _ = make("tiny_mlp")
+    eager2, om2 = twin(module2)
+    run_step(eager2, om2, (x.requires_grad_(True),))
+    assert_ran_in_ort(om)
+    assert_ran_in_ort(om2)
+
+
+def test_python_scalars_are_never_stale():
+    module, inputs = make("scalar_args")
+    eager, om = twin(module)
+    (x, alpha, n), _ = inputs(0)
+    for i, (a, k, flip) in enumerate([(0.5, 2, False), (2.0, 2, False), (-1.25, 2, False), (0.5, 3, False), (0.5, 1, True), (3.0, 3, True)]):
+        run_step(eager, om, (x, a, k), {"flip": flip}, seed=i)
+    # A changed value must change the result (guards against a stale capture that happens to match).
+    _, o1 = run_step(eager, om, (x, 0.5, 2), {})
+    _, o2 = run_step(eager, om, (x, 0.75, 2), {})
+    assert not torch.allclose(o1, o2)
+    assert_ran_in_ort(om)
+
+
+# ----------------------------------------------------------------------------------- outputs
+def test_tuple_dict_namedtuple_outputs_with_none_leaves():
+    module, inputs = make("structured_outputs")
+    eager, om = twin(module)
+    outs = assert_parity(eager, om, inputs, steps=2)
+    out = outs[-1][1]
+    assert type(out["pair"]).__name__ == "Pair" and out["pair"].missing is None
+    assert out["aux"][1] is None and out["nested"][0] is None and out["nested"][1]["none"] is None
+    assert out["pair"].index.dtype == torch.long and not out["pair"].index.requires_grad
+    assert_ran_in_ort(om)
+
+
+def test_non_differentiable_outputs_are_exact():
+    module, inputs = make("nondiff_outputs")
+    eager, om = twin(module)
+    outs = assert_parity(eager, om, inputs, steps=2)
+    logits, argmax, mask, idx, count, values = outs[-1][1]
+    assert argmax.dtype == torch.long and mask.dtype == torch.bool and idx.dtype == torch.long
+    assert count.dtype == torch.long
+    assert not (argmax.requires_grad or mask.requires_grad or idx.requires_grad or count.requires_grad)
+    assert logits.requires_grad and values.requires_grad
+    # The same model in no_grad mode (the inference graph) is exact as well.
+    with torch.no_grad():
+        run_step(eager, om, *inputs(4), backward=False)
+    assert_ran_in_ort(om)
+
+
+# -------------------------------------------------------------------------------- parameters
+def test_frozen_and_unused_parameters_keep_grad_none():
+    module, inputs = make("frozen_unused")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=3, lr=0.1)
+    assert_parity(eager, om, inputs, steps=1)  # grads left in place, not zeroed by an optimizer
+    for name in ("frozen.weight", "frozen.bias", "gain", "unused.weight", "unused.bias", "unused_p"):
+        assert om.get_parameter(name).grad is None, name
+    assert om.train_me.weight.grad is not None
+    assert_ran_in_ort(om)
+
+
+def test_unfreezing_a_parameter_after_capture():
+    module, inputs = make("frozen_unused")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=1)
+    for m in (eager, om):
+        m.frozen.weight.requires_grad_(True)
+        m.gain.requires_grad_(True)
+    run_step(eager, om, *inputs(1))
+    assert om.frozen.weight.grad is not None and om.gain.grad is not None
+    assert om.frozen.bias.grad is None
+    for m in (eager, om):
+        m.frozen.weight.requires_grad_(False)
+        m.zero_grad(set_to_none=True)
+    run_step(eager, om, *inputs(2))
+    assert om.frozen.weight.grad is None
+
+
+# ------------------------------------------------------------------------- buffers and modes
+def test_batchnorm_running_stats_update_every_step():
+    module, inputs = make("conv_bn")
+    eager, om = twin(module)
+    for step in range(3):
+        run_step(eager, om, *inputs(step), seed=step)  # also compares the state dict
+        for name in ("bn", "bn1d"):
+            e, o = getattr(eager, name), getattr(om, name)
+            torch.testing.assert_close(o.running_mean, e.running_mean, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(o.running_var, e.running_var, rtol=1e-4, atol=1e-5)
+            assert o.num_batches_tracked.item() == e.num_batches_tracked.item() == step + 1
+    # The buffers the caller sees are the ones ORTModule updates (shared, not copies).
+    assert om.bn.running_mean is om.module.bn.running_mean
+    eager.eval(), om.eval()
+    run_step(eager, om, *inputs(10), backward=False)  # eval uses the running statistics
+    with torch.no_grad():
+        run_step(eager, om, *inputs(11), backward=False)
+    assert om.bn.num_batches_tracked.item() == 3
+    eager.train(), om.train()
+    run_step(eager, om, *inputs(12), seed=12)
+    assert om.bn.num_batches_tracked.item() == 4
+    assert_ran_in_ort(om)
+
+
+def test_batchnorm_eval_mode_parity():
+    module, inputs = make("conv_bn")
+    with torch.no_grad():  # non-trivial running statistics
+        for bn in (module.bn, module.bn1d):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.num_batches_tracked.fill_(7)
+    module.eval()
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)  # grads flow to conv/bn affine/fc; stats stay put
+    assert om.bn.num_batches_tracked.item() == 7
+    assert_ran_in_ort(om)
+
+
+def test_plain_buffers_mutated_in_forward():
+    module, inputs = make("buffer_mutation")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=3, lr=0.05)
+    assert om.steps.item() == 3 and om.module.steps.item() == 3
+    with torch.no_grad():
+        run_step(eager, om, *inputs(3), backward=False)
+    assert om.steps.item() == 4
+    assert_ran_in_ort(om)
+
+
+def test_train_eval_switching():
+    module, inputs = make("dropout_mlp")
+    eager, om = twin(module)
+    for i, mode in enumerate([True, False, True, False, True]):
+        eager.train(mode)
+        assert om.train(mode) is om
+        assert om.training == mode and om.module.training == mode and om.drop.training == mode
+        _, out = run_step(eager, om, *inputs(i), seed=i)
+        if not mode:  # eval: dropout off, so the output is deterministic
+            assert_tree_close(om(*inputs(i)[0]), out)
+    om.eval()
+    assert not om.module.training and not om.module.fc1.training
+    assert_ran_in_ort(om)
+
+
+def test_torch_no_grad_and_inference_mode():
+    module, inputs = make("tiny_gpt")
+    eager, om = twin(module)
+    with torch.no_grad():
+        _, out = run_step(eager, om, *inputs(0), backward=False)
+    assert not out.requires_grad
+    run_step(eager, om, *inputs(1), seed=1)  # grad mode after no_grad: trains
+    with torch.no_grad():
+        run_step(eager, om, *inputs(2), backward=False)
+    with torch.inference_mode():
+        _, out = run_step(eager, om, *inputs(3), backward=False)
+    assert not out.requires_grad
+    assert_ran_in_ort(om)
+
+
+def test_grad_modes_inside_forward():
+    module, inputs = make("grad_modes")
+    eager, om = twin(module)
+    outs = assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert not outs[-1][1][1].requires_grad  # the no_grad target
+    assert om.teacher.weight.grad is None and eager.teacher.weight.grad is None
+    with torch.no_grad():
+        run_step(eager, om, *inputs(2), backward=False)
+    assert_ran_in_ort(om)
+
+
+def test_dropout_same_seed_same_result():
+    module, inputs = make("dropout_mlp")
+    eager, om = twin(module)
+    outs = assert_parity(eager, om, inputs, steps=3, lr=0.1)  # same seed before each side
+    for out_e, out_o in outs:
+        assert torch.equal(out_o == 0, out_e == 0)  # masks are bit-identical
+    # Different seeds give different masks (dropout really is active).
+    x = inputs(0)[0][0]
+    seed_all(1)
+    a = om(x)
+    seed_all(2)
+    b = om(x)
+    assert not torch.allclose(a, b)
+    assert_ran_in_ort(om)
+
+
+def test_gpt_with_dropout_same_seed_same_result():
+    module, inputs = make("tiny_gpt_dropout")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)
+
+
+# ---------------------------------------------------------------------------- shapes and guards
+def test_dynamic_batch_size_does_not_recapture():
+    module, inputs = make("tiny_mlp")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, sizes=[{"batch": b} for b in (2, 3, 5, 7)])
+    assert len(om.report.captures) <= 2, om.report
+    assert_ran_in_ort(om)
+
+
+def test_dynamic_batch_and_sequence_does_not_recapture():
+    module, inputs = make("tiny_gpt")
+    eager, om = twin(module)
+    sizes = [{"batch": 2, "seq": 4}, {"batch": 3, "seq": 6}, {"batch": 2, "seq": 11}, {"batch": 5, "seq": 16}]
+    assert_parity(eager, om, inputs, sizes=sizes)
+    assert len(om.report.captures) <= 2, om.report
+    assert_ran_in_ort(om)
+
+
+def test_input_structure_changes_recapture():
+    module, inputs = make("structure_switch")
+    eager, om = twin(module)
+    a, b, c = randn(0, 3, 4), randn(1, 3, 4), randn(2, 3, 4)
+    calls = [
+        (a,),
+        ([a, b],),
+        ([a, b, c],),
+        ((a, b),),
+        ({"p": a, "q": b},),
+        ({"p": a, "q": b, "r": c},),
+        (a.double().float(),),
+        (a.clone().requires_grad_(True),),  # grad-requiring input: a new graph, input grad compared
+        (a,),
+    ]
+    for i, args in enumerate(calls):
+        run_step(eager, om, args, seed=i)
+    assert_ran_in_ort(om)
+
+
+def test_module_attribute_changes_recapture():
+    module, inputs = make("attr_scale")
+    eager, om = twin(module)
+    x = inputs(0)[0]
+    run_step(eager, om, x)
+    eager.scale = om.scale = 2.0  # through ORTModule.__setattr__
+    assert om.module.scale == 2.0
+    _, out2 = run_step(eager, om, x)
+    eager.scale = om.module.scale = -3.0  # on the wrapped module directly
+    _, out3 = run_step(eager, om, x)
+    assert not torch.allclose(out2, out3)
+    eager.residual = om.residual = True  # a bool attribute selecting a branch
+    run_step(eager, om, x)
+    eager.act = nn.Tanh()
+    om.act = nn.Tanh()  # a replaced submodule
+    assert om.module.act is om.act
+    run_step(eager, om, x)
+    assert_ran_in_ort(om)
+
+
+# ------------------------------------------------------------------------- autograd features
+def test_custom_autograd_function():
+    module, inputs = make("custom_function")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    # The custom backward must be used: it differs from autodiff of the forward.
+    assert om.lin.weight.grad is None
+    out = om(*inputs(5)[0])
+    loss_of(out).backward()
+    g_custom = om.lin.weight.grad.clone()
+    om.zero_grad(set_to_none=True)
+    h = om.lin(inputs(5)[0][0]).clamp(-0.5, 0.5)
+    loss_of(om.out(0.7 * h * h)).backward()
+    assert not torch.allclose(g_custom, om.lin.weight.grad)
+    assert_ran_in_ort(om)
+
+
+def test_inplace_ops_and_input_mutation():
+    module, inputs = make("inplace")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=3, lr=0.1)  # also compares the mutated `counter` input
+    x, counter = inputs(0)[0]
+    om(x, counter)
+    assert counter.item() == 1.0  # the caller's tensor was updated in place
+    assert_ran_in_ort(om)
+
+
+def test_setitem_python_scalar_runs_in_onnxruntime():
+    # Diagnosis (temporary xfail): `h[:, 0] = 0.0` makes Dynamo lift a constant tensor(0.).
+    # ortlab.capture.decompositions.decomposition_table() takes torch.onnx's
+    # create_onnx_friendly_decomposition_table(), which includes aten.lift_fresh.default;
+    # AOTAutograd then decomposes lift_fresh into aten.alias of the *real* constant under
+    # FakeTensorMode: "AssertionError: Please convert all Tensors to FakeTensors first ...
+    # Found in aten.alias.default(tensor(0., size=()))". backend.py catches it and runs the
+    # whole graph in PyTorch. With backend="aot_eager" it captures fine, and dropping
+    # aten.lift_fresh.default from the table fixes it (checked).
+    module, inputs = make("setitem_scalar")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=2)  # holds today (the graph falls back to PyTorch)
+    assert_ran_in_ort(om)  # fails: "AOTAutograd could not capture graph g0"
+
+
+def test_two_live_graphs_backpropagated_in_any_order():
+    module, inputs = make("tiny_gpt")
+    eager, om = twin(module)
+    (i1, t1), _ = inputs(0, batch=2, seq=8)
+    (i2, t2), _ = inputs(1, batch=3, seq=5)
+    for order in ((0, 1), (1, 0)):
+        for m in (eager, om):
+            m.zero_grad(set_to_none=True)
+        le = [eager(i1, t1), eager(i2, t2)]
+        lo = [om(i1, t1), om(i2, t2)]
+        lo_extra = om(i1, t1)  # a third live graph never backpropagated
+        for k in order:
+            assert_tree_close(lo[k], le[k])
+            le[k].backward()
+            lo[k].backward()
+        assert_grads_close(eager, om)
+        del lo_extra
+    assert_ran_in_ort(om)
+
+
+def test_chained_ortmodules_and_shared_submodule():
+    seed_all(0)
+    shared = nn.Linear(6, 6)
+    first, second, third = Stage(shared), Stage(shared), Stage()
+    eager = copy.deepcopy(nn.Sequential(first, second, third))
+    om1, om2, om3 = ortlab.ORTModule(first), ortlab.ORTModule(second), ortlab.ORTModule(third)
+    assert om1.shared is om2.shared
+    pipeline = nn.Sequential(om1, om2, om3)  # ORTModules nested in a plain model
+    assert list(pipeline.state_dict()) == list(eager.state_dict())
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_o = torch.optim.SGD(pipeline.parameters(), lr=0.1)
+    for step in range(3):
+        x = randn(step, 4, 6).requires_grad_(True)
+        xe = x.detach().clone().requires_grad_(True)
+        out_e, out_o = eager(xe), pipeline(x)
+        assert_tree_close(out_o, out_e)
+        loss_of(out_e).backward()
+        loss_of(out_o).backward()
+        assert_grads_close(eager, pipeline)  # shared.* accumulates from both ORTModules
+        torch.testing.assert_close(x.grad, xe.grad, rtol=1e-4, atol=1e-5)
+        opt_e.step(), opt_o.step()
+        opt_e.zero_grad(), opt_o.zero_grad()
+        assert_state_dict_close(eager, pipeline)
+    for om in (om1, om2, om3):
+        assert_ran_in_ort(om)
+
+
+def test_gradient_accumulation():
+    module, inputs = make("tiny_gpt")
+    eager, om = twin(module)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.2)
+    opt_o = torch.optim.SGD(om.parameters(), lr=0.2)
+    for step in range(2):
+        for micro in range(3):  # three backward calls before one optimizer step
+            args, _ = inputs(10 * step + micro, batch=2, seq=6 + micro)
+            out_e, out_o = run_step(eager, om, args, seed=micro)  # compares accumulated grads
+        opt_e.step(), opt_o.step()
+        opt_e.zero_grad(), opt_o.zero_grad()
+        assert_state_dict_close(eager, om)
+    assert_ran_in_ort(om)
+
+
+def test_backward_retain_graph_twice():
+    # Diagnosis (temporary xfail): the second backward raises "RuntimeError: This backward
+    # function was compiled with non-empty donated buffers which requires create_graph=False
+    # and retain_graph=False". torch._functorch.config.donated_buffer (True by default) is an
+    # Inductor memory optimization that ortlab never uses; plain torch.compile(aot_eager) fails
+    # the same way. Setting donated_buffer=False while OrtlabBackend calls
+    # aot_module_simplified fixes it (checked with the global flag; a patch around the
+    # ORTModule call does not reach the compile, it must sit inside the backend).
+    module, inputs = make("tiny_mlp")
+    eager, om = twin(module)
+    args, _ = inputs(0)
+    le, lo = eager(*args), om(*args)
+    for retain in (True, False):  # the same graph backpropagated twice: grads double, as in eager
+        le.backward(retain_graph=retain)
+        lo.backward(retain_graph=retain)
+    assert_grads_close(eager, om)
+
+
+def test_module_hooks_registered_before_capture():
+    module, inputs = make("stage")
+    eager, om = twin(module)
+    for m in (eager, om.module):
+        m.own.register_forward_hook(lambda mod, args, out: out * 2)
+        m.shared.register_forward_pre_hook(lambda mod, args: (args[0] - 0.5,))
+        m.own.weight.register_hook(lambda grad: grad * 3)
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)
+
+
+def test_forward_hook_registered_after_capture_is_not_stale():
+    # Diagnosis (temporary xfail): the output ignores the new hook (100% mismatch, no
+    # re-capture). Dynamo's skip_nnmodule_hook_guards defaults to True, so hook dicts are
+    # not guarded; torch.compile(aot_eager) is equally stale. Adding
+    # "skip_nnmodule_hook_guards": False to _DYNAMO_CONFIG in ortlab/ortmodule.py fixes it
+    # (checked with the global flag, root and child hooks).
+    module, inputs = make("stage")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=1)
+    for m in (eager, om.module):
+        m.own.register_forward_hook(lambda mod, args, out: out * 2)
+    run_step(eager, om, *inputs(1))
+
+
+def test_autocast_bf16_cpu():
+    module, inputs = make("tiny_gpt")
+    eager, om = twin(module)
+    for step in range(2):
+        args, _ = inputs(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            run_step(eager, om, args, seed=step, rtol=BF16_RTOL, atol=BF16_ATOL)
+    # Leaving autocast re-captures: back to fp32 parity (the bf16 graph is not reused).
+    for m in (eager, om):
+        m.zero_grad(set_to_none=True)
+    run_step(eager, om, *inputs(5), seed=5)
+    assert om.report.captures, "nothing was captured"
+
+
+def test_autocast_bf16_logits_dtype():
+    module, inputs = make("tiny_mlp")
+    eager, om = twin(module)
+    (x, y), _ = inputs(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, out = run_step(eager, om, (x,), rtol=BF16_RTOL, atol=BF16_ATOL)  # bf16 logits, exact dtype match
+    assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.xfail(reason="ortlab bug: bf16 forward falls back to PyTorch whole (unnamed ONNX node)", strict=True)
+def test_autocast_bf16_runs_per_op_not_whole_graph():
+    # onnxruntime's CPU provider lacks many bf16 kernels; ortlab should send just those ops
+    # to PyTorch (as it does for the backward graph), not the whole forward graph.
+    # Diagnosis (temporary xfail): the session error names a node that is not in the exported
+    # model, so runtime.graph._culprits() finds no FX node and _whole_graph_fallback() runs.
+    # Two forms: "Could not find an implementation for Max(13) node with name ''" (Relu on
+    # bf16 has no kernel, onnxruntime expands Relu's ONNX function body into an unnamed Max,
+    # even at ORT_DISABLE_ALL), and "... Gemm(13) node with name
+    # 'node_addmm/GemmTransposeFusion/'" (a node renamed by onnxruntime's optimizer).
+    # Smallest repro: ORTModule(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) called under
+    # torch.autocast("cpu", dtype=torch.bfloat16).
+    module, inputs = make("tiny_mlp")
+    om = ortlab.ORTModule(module)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        om(*inputs(0)[0]).backward()
+    assert_ran_in_ort(om)
+
+
+# ------------------------------------------------------------------------------- training loops
+@pytest.mark.parametrize("name", ["tiny_mlp", "tiny_gpt", "conv_bn"])
+def test_sgd_training_steps_match_eager(name):
+    module, inputs = make(name)
+    eager, om = twin(module)
+    grad_atol = BN_GRAD_ATOL if name == "conv_bn" else None  # see BN_GRAD_ATOL
+    outs = assert_parity(eager, om, inputs, steps=4, lr=0.1, grad_atol=grad_atol)
+    if name != "conv_bn":
+        losses_e = torch.stack([o[0] for o in outs])
+        losses_o = torch.stack([o[1] for o in outs]).detach()
+        torch.testing.assert_close(losses_o, losses_e.detach(), rtol=1e-4, atol=1e-5)
+    assert_state_dict_close(eager, om)
+    assert_ran_in_ort(om)
+
+
+@pytest.mark.parametrize("recompute", ["auto", "layerwise", ["op:aten.gelu"]])
+def test_recompute_does_not_change_results(recompute):
+    module, inputs = make("tiny_gpt")
+    eager, om = twin(module, recompute=recompute)
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)
+
+
+def test_fallback_ops_keep_parity():
+    module, inputs = make("tiny_gpt")
+    eager, om = twin(module, fallback_ops=["aten.gelu"])
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    ops = {f.op for f in om.report.fallbacks}
+    assert "aten.gelu" in ops, om.report
+    assert_ran_in_ort(om)
+
+
+# ----------------------------------------------------------------------------- copies and pickles
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copy_and_pickle_still_train_and_match(how):
+    module, inputs = make("tiny_mlp")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=1, lr=0.1)
+    clone = copy.deepcopy(om) if how == "deepcopy" else pickle.loads(pickle.dumps(om))
+    eager_clone = copy.deepcopy(eager)
+    assert isinstance(clone, ortlab.ORTModule)
+    assert_state_dict_close(om, clone, exact=True)  # an exact copy of the trained state
+    assert clone.options == om.options and clone.module is not om.module
+    # The copy has its own parameters, shared with its own wrapped module.
+    for (name, p), p_orig in zip(clone.named_parameters(), om.parameters()):
+        assert p.data_ptr() != p_orig.data_ptr(), name
+        assert clone.module.get_parameter(name) is p, name
+    assert_parity(eager_clone, clone, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(clone)
+    # The original is untouched by the copy's training and keeps matching its own twin.
+    assert_parity(eager, om, lambda step, **kw: inputs(step + 7, **kw), steps=1, lr=0.1)
+
+
+def test_deepcopy_before_first_call():
+    module, inputs = make("buffer_mutation")
+    om = ortlab.ORTModule(module)
+    clone = copy.deepcopy(om)
+    eager = copy.deepcopy(module)
+    assert_parity(eager, clone, inputs, steps=2, lr=0.1)
+    assert clone.steps.item() == 2 and clone.module.steps is clone.steps
+    assert om.steps.item() == 0  # the original's buffers are not the copy's
+    assert_parity(copy.deepcopy(module), om, inputs, steps=1)  # and the original still works
+    assert_ran_in_ort(clone)
+
+
+# ------------------------------------------------------------------------------ nn.Module surface
+def test_state_dict_keys_and_load_state_dict():
+    module, inputs = make("tiny_gpt")
+    keys = list(module.state_dict())
+    om = ortlab.ORTModule(module)
+    assert list(om.state_dict()) == keys
+    assert list(dict(om.named_parameters())) == list(dict(module.named_parameters()))
+    assert all(a is b for a, b in zip(om.parameters(), module.parameters()))
+    assert list(dict(om.named_buffers())) == list(dict(module.named_buffers()))
+    seed_all(3)
+    other = GPT(GPTConfig(**GPT_CONFIG))
+    om.load_state_dict(other.state_dict())  # reaches the wrapped module
+    assert_state_dict_close(other, module, exact=True)
+    # Nested in a plain model: no extra prefix.
+    outer = nn.ModuleDict({"gpt": om})
+    assert list(outer.state_dict()) == [f"gpt.{k}" for k in keys]
+
+
+def test_load_state_dict_after_capture_is_not_stale():
+    module, inputs = make("tiny_mlp")
+    eager, om = twin(module)
+    assert_parity(eager, om, inputs, steps=1)
+    seed_all(5)
+    fresh, _ = make("tiny_mlp", seed=5)
+    eager.load_state_dict(fresh.state_dict())
+    om.load_state_dict(fresh.state_dict())
+    assert_state_dict_close(eager, om, exact=True)
+    for m in (eager, om):
+        m.zero_grad(set_to_none=True)
+    run_step(eager, om, *inputs(1))
+    with torch.no_grad():  # weights changed in place, as an optimizer does
+        for m in (eager, om):
+            m.net[0].weight.mul_(-0.5)
+    run_step(eager, om, *inputs(2), check_grads=False)
+    assert len(om.report.captures) == 1, om.report  # parameters are inputs: no re-capture needed
+
+
+def test_attribute_access_forwarding():
+    module, _ = make("tiny_gpt")
+    om = ortlab.ORTModule(module)
+    assert om.module is module
+    assert om.config is module.config and om.config.d_model == 32
+    assert om.blocks is module.blocks and om.blocks[0].ln1 is module.blocks[0].ln1
+    assert om.head.weight is module.head.weight
+    assert om.get_submodule("blocks.1.fc") is module.blocks[1].fc
+    om.custom_flag = 7  # plain attribute writes reach the wrapped module
+    assert module.custom_flag == 7
+    om.extra = nn.Linear(2, 2)  # a new submodule lands in the shared dict
+    assert module.extra is om.extra and "extra.weight" in module.state_dict()
+    del om.extra
+    assert not hasattr(module, "extra")
+    om.register_buffer("marker", torch.ones(1))
+    assert module.marker is om.marker
+    om.to(torch.float32)
+    with pytest.raises(AttributeError):
+        om.no_such_attribute  # noqa: B018
