@@ -529,17 +529,12 @@ def test_autocast_bf16_logits_dtype():
     assert out.dtype == torch.bfloat16
 
 
-@pytest.mark.xfail(reason="ortlab bug: bf16 forward falls back to PyTorch whole (unnamed ONNX node)", strict=True)
 def test_autocast_bf16_runs_per_op_not_whole_graph():
-    # onnxruntime's CPU provider lacks many bf16 kernels; ortlab should send just those ops
-    # to PyTorch (as it does for the backward graph), not the whole forward graph.
-    # Diagnosis (temporary xfail): the session error names a node that is not in the exported
-    # model, so runtime.graph._culprits() finds no FX node and _whole_graph_fallback() runs.
-    # Two forms: "Could not find an implementation for Max(13) node with name ''" (Relu on
-    # bf16 has no kernel, onnxruntime expands Relu's ONNX function body into an unnamed Max,
-    # even at ORT_DISABLE_ALL), and "... Gemm(13) node with name
-    # 'node_addmm/GemmTransposeFusion/'" (a node renamed by onnxruntime's optimizer).
-    # Smallest repro: ORTModule(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) called under
+    # onnxruntime's CPU provider lacks many bf16 kernels; ortlab sends just those ops to
+    # PyTorch. onnxruntime's own error can name a node that is not in our model (a bf16
+    # Relu expanded into an unnamed Max, or "node_addmm/GemmTransposeFusion/"), so ortlab
+    # probes the low-precision nodes one by one (runtime/kernels.py).
+    # Smallest repro: ORTModule(nn.Sequential(nn.Linear(4, 4), nn.ReLU())) under
     # torch.autocast("cpu", dtype=torch.bfloat16).
     module, inputs = make("tiny_mlp")
     om = ortlab.ORTModule(module)

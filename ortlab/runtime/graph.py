@@ -28,6 +28,7 @@ from ortlab.config import DebugOptions, Options
 from ortlab.errors import DeviceError, ExportError, FallbackError, SessionError, first_line
 from ortlab.onnx.export import ExportedGraph, export_graph, unsupported_nodes
 from ortlab.report import Fallback, GraphRecord, warn_fallback
+from ortlab.runtime.kernels import low_precision_nodes, missing_kernels
 from ortlab.runtime.runner import OrtRunner
 from ortlab.runtime.session import create_session, failing_node, providers_for, save_optimized_models
 
@@ -129,6 +130,7 @@ class _Builder:
             session, seconds = create_session(data, self.ctx.options, self.ctx.debug, self.providers, optimized)
         except SessionError as e:
             e.exported = exported  # type: ignore[attr-defined]
+            e.providers = self.providers  # type: ignore[attr-defined]
             raise
         self.record.session_s += seconds
         if w.enabled:
@@ -147,30 +149,38 @@ def _value_dtype(node: object) -> object:
     return values[0].dtype if values else None
 
 
-def _culprits(e: Exception) -> tuple[list[str], str]:
+def _culprits(e: Exception) -> dict[str, str]:
     """The FX nodes an export or session error points at, and a short reason.
 
     A missing onnxruntime kernel (say MatMul for bfloat16 on CPU) blocks every node
     of that ONNX op type and input dtype at once, not one node per retry.
     """
     text = f"{e} {e.__cause__ or ''}"
+    exported = getattr(e, "exported", None)
+    if isinstance(e, SessionError) and exported is not None and low_precision_nodes(exported.model):
+        missing = missing_kernels(exported.model, getattr(e, "providers", ["CPUExecutionProvider"]))
+        found: dict[str, str] = {}
+        for n in missing:
+            if "ortlab.fx_node" in n.metadata_props:
+                found.setdefault(n.metadata_props["ortlab.fx_node"], f"onnxruntime has no {n.op_type} kernel for {_value_dtype(n)}")
+        if found:
+            return found
     if isinstance(e, ExportError):
         m = _FAILED_NODE.search(text)
         root = e.__cause__.__cause__ if e.__cause__ is not None and e.__cause__.__cause__ is not None else e.__cause__
-        return ([m.group(1)] if m else []), f"ONNX translation failed: {first_line(root or e)}"
+        return {m.group(1): f"ONNX translation failed: {first_line(root or e)}"} if m else {}
     onnx_name = failing_node(text)
-    exported = getattr(e, "exported", None)
     if not onnx_name or exported is None:
-        return [], text
+        return {}
     graph_nodes = list(exported.model.graph)
     bad = next((n for n in graph_nodes if n.name == onnx_name), None)
     if bad is None:
-        return [], text
+        return {}
     dtype = _value_dtype(bad)
     same = [n for n in graph_nodes if n.op_type == bad.op_type and _value_dtype(n) == dtype]
-    names = [n.metadata_props["ortlab.fx_node"] for n in same if "ortlab.fx_node" in n.metadata_props]
-    kind = "no kernel" if "NOT_IMPLEMENTED" in text else "rejects the node"
-    return names, f"onnxruntime {kind} for ONNX {bad.op_type} on {dtype}"
+    kind = "has no kernel for" if "NOT_IMPLEMENTED" in text else "rejects"
+    reason = f"onnxruntime {kind} ONNX {bad.op_type} on {dtype}"
+    return {n.metadata_props["ortlab.fx_node"]: reason for n in same if "ortlab.fx_node" in n.metadata_props}
 
 
 def compile_graph(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphContext) -> tuple[Callable, GraphRecord]:
@@ -190,11 +200,10 @@ def compile_graph(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphCont
         try:
             fn = _build(gm, blocked, builder)
         except (ExportError, SessionError) as e:
-            culprits, reason = _culprits(e)
-            new = [c for c in culprits if c in nodes and c not in blocked]
+            new = {c: r for c, r in _culprits(e).items() if c in nodes and c not in blocked}
             if not new:
                 return _whole_graph_fallback(gm, name, mode, ctx, record, e)
-            blocked.update({c: reason for c in new})
+            blocked.update(new)
             continue
         except (FallbackError, DeviceError):
             raise
