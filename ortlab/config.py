@@ -13,7 +13,7 @@ strict or verbose without touching the training script:
 ``ORTLAB_FALLBACK_OPS``           comma-separated ops to run in PyTorch (``aten.gelu,...``)
 ``ORTLAB_RECOMPUTE``              ``none``, ``auto``, ``layerwise`` or comma-separated selectors
 ``ORTLAB_OPT_LEVEL``              onnxruntime graph optimization: disable|basic|extended|all
-``ORTLAB_DYNAMIC``                1 (default) captures with symbolic batch/sequence sizes
+``ORTLAB_DYNAMIC``                ``auto`` (default), 1 (symbolic sizes from the start) or 0
 ================================  =======================================================
 """
 
@@ -160,8 +160,10 @@ class Options:
         providers: onnxruntime execution providers; by default CPU, or CUDA first when
             inputs are on CUDA and onnxruntime-gpu is installed.
         graph_optimization_level: onnxruntime's level: disable, basic, extended, all.
-        dynamic: capture with symbolic sizes so a new batch or sequence length does
-            not re-capture.
+        dynamic: ``None`` (default): the first capture uses the example's sizes
+            (fastest to capture and run); the first new size re-captures once with
+            symbolic sizes, and later sizes reuse that graph. ``True``: symbolic from
+            the start. ``False``: re-capture for every new size.
         intra_op_num_threads: threads per onnxruntime session (default: onnxruntime's).
     """
 
@@ -170,7 +172,7 @@ class Options:
     fallback_ops: Sequence[str] = ()
     providers: Sequence[str] | None = None
     graph_optimization_level: str = "all"
-    dynamic: bool = True
+    dynamic: bool | None = None
     intra_op_num_threads: int | None = None
     from_env: tuple[str, ...] = dataclasses.field(default=(), repr=False)
 
@@ -188,7 +190,8 @@ class Options:
         if (v := _env("ORTLAB_OPT_LEVEL")) is not None:
             self.graph_optimization_level, _ = v.strip().lower(), used.append("ORTLAB_OPT_LEVEL")
         if (v := _env("ORTLAB_DYNAMIC")) is not None:
-            self.dynamic, _ = _env_bool("ORTLAB_DYNAMIC", v), used.append("ORTLAB_DYNAMIC")
+            auto = v.strip().lower() == "auto"
+            self.dynamic, _ = (None if auto else _env_bool("ORTLAB_DYNAMIC", v)), used.append("ORTLAB_DYNAMIC")
         self.from_env = tuple(used)
         self.validate()
 

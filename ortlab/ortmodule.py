@@ -50,6 +50,7 @@ _DYNAMO_CONFIG = {
     "accumulated_recompile_limit": 1024,
     "fail_on_recompile_limit_hit": True,
     "skip_nnmodule_hook_guards": False,
+    "specialize_float": True,
 }
 
 
@@ -135,7 +136,7 @@ class ORTModule(nn.Module):
         compiled = torch.compile(
             self._ortlab_module,
             backend=backend,
-            dynamic=self._ortlab_options.dynamic or None,
+            dynamic=self._ortlab_options.dynamic,
             fullgraph=self._ortlab_options.fallback == "raise",
         )
         object.__setattr__(self, "_ortlab_report", report)

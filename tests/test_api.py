@@ -135,3 +135,17 @@ def test_export_onnx_for_inference_matches_eager_eval(tmp_path):
     with torch.no_grad():
         want = om.module(x)
     torch.testing.assert_close(torch.from_numpy(got), want, rtol=RTOL, atol=ATOL)
+
+
+def test_dynamic_true_captures_once_for_all_sizes():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    om = ortlab.ORTModule(copy.deepcopy(eager), dynamic=True)
+    for batch in (2, 3, 7):
+        x = torch.randn(batch, 6)
+        torch.testing.assert_close(om(x), eager(x), rtol=RTOL, atol=ATOL)
+    assert len(om.report.captures) == 1
+    static = ortlab.ORTModule(copy.deepcopy(eager), dynamic=False)
+    for batch in (2, 3, 7):
+        static(torch.randn(batch, 6))
+    assert len(static.report.captures) == 3
