@@ -72,6 +72,7 @@ class GraphRecord:
     torch_nodes: int = 0
     export_s: float = 0.0
     session_s: float = 0.0
+    threads: str = ""
     fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
 
 
@@ -134,6 +135,8 @@ class Report:
                 )
                 if top:
                     lines.append(f"             top ONNX ops: {top}")
+                if g.threads:
+                    lines.append(f"             threads: {g.threads}")
             if c.plan is not None:
                 p = c.plan
                 lines.append(

@@ -30,7 +30,7 @@ from ortlab.onnx.export import ExportedGraph, export_graph, unsupported_nodes
 from ortlab.report import Fallback, GraphRecord, warn_fallback
 from ortlab.runtime.kernels import low_precision_nodes, missing_kernels
 from ortlab.runtime.runner import OrtRunner
-from ortlab.runtime.session import create_session, failing_node, providers_for, save_optimized_models
+from ortlab.runtime.session import SMALL_GRAPH_FLOPS, choose_threads, create_session, failing_node, providers_for, save_optimized_models
 
 __all__ = ["GraphContext", "compile_graph", "fx_op_counts"]
 
@@ -55,6 +55,41 @@ def fx_op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
     """aten ops of an FX graph and how often each occurs."""
     counts = collections.Counter(op_name(n) for n in gm.graph.nodes if n.op == "call_function")
     return dict(counts.most_common())
+
+
+def _hint(size: object) -> int:
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint  # type: ignore[attr-defined]
+    return int(hint) if hint is not None else SMALL_GRAPH_FLOPS
+
+
+def _numel(t: torch.Tensor) -> int:
+    n = 1
+    for s in t.shape:
+        n *= _hint(s)
+    return n
+
+
+def matmul_flops(gm: torch.fx.GraphModule) -> int:
+    """FLOPs of the matrix products and convolutions of a graph, at its example sizes."""
+    flops = 0
+    for node in gm.graph.nodes:
+        name = op_name(node)
+        if name in ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.convolution", "aten.baddbmm"):
+            val = node.meta.get("val")
+            args = [a.meta.get("val") for a in node.all_input_nodes]
+            if not isinstance(val, torch.Tensor) or not args:
+                continue
+            # Sizes may be symbolic: read their example values (hints); int() would
+            # add a guard and re-capture for every new size.
+            out = _numel(val)
+            if name == "aten.convolution" and len(args) > 1:
+                k = _numel(args[1]) // max(_hint(args[1].shape[0]), 1)
+            else:
+                k = _hint(args[-1].shape[-2])
+            flops += 2 * out * k
+    return flops
 
 
 def _matches(node: torch.fx.Node, wanted: str) -> bool:
@@ -126,8 +161,10 @@ class _Builder:
         w, mode = self.ctx.writer, self.record.mode
         w.onnx(f"{stage}_exported", mode, data)
         optimized = w.path(f"{stage}_execution", mode, "onnx") if w.enabled else None
+        threads, why = choose_threads(self.ctx.options, matmul_flops(gm))
+        self.record.threads = why
         try:
-            session, seconds = create_session(data, self.ctx.options, self.ctx.debug, self.providers, optimized)
+            session, seconds = create_session(data, self.ctx.options, self.ctx.debug, self.providers, optimized, threads)
         except SessionError as e:
             e.exported = exported  # type: ignore[attr-defined]
             e.providers = self.providers  # type: ignore[attr-defined]

@@ -79,8 +79,8 @@ class OrtRunner:
 
     def _as_tensor(self, value: object, kind: str) -> torch.Tensor:
         if kind == "tensor":
-            t = value.detach()  # type: ignore[union-attr]
-            return t if t.is_contiguous() else t.contiguous()
+            # No detach(): onnxruntime only reads the pointer, and detach costs ~15 us a tensor.
+            return value if value.is_contiguous() else value.contiguous()  # type: ignore[union-attr]
         return torch.tensor(value, dtype=_SCALAR_DTYPES[kind], device=self.device)
 
     def __call__(self, *args: object) -> list:
@@ -97,7 +97,7 @@ class OrtRunner:
             )
         else:
             for t in tensors:
-                inputs.push_back(C.OrtValue.from_dlpack(t.__dlpack__(), t.dtype == torch.bool))
+                inputs.push_back(C.OrtValue.from_dlpack(t.detach().__dlpack__(), t.dtype == torch.bool))
         outputs = C.OrtValueVector()
         self._sess.run_with_ortvaluevector(
             self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
