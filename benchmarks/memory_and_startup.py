@@ -1,0 +1,133 @@
+"""First-step time, peak memory and recomputation of ortlab against eager PyTorch.
+
+Every figure that depends on process state runs in a fresh child process:
+
+* first step: capture + export + session creation of the GPT (and torch.compile's);
+* peak RSS of a 50-step training run (``resource.getrusage(...).ru_maxrss``), eager
+  vs ortlab, each alone in its process;
+* recompute: saved-activation bytes of ``recompute="none"`` vs ``"layerwise"`` (from
+  the first-step report) and their step times, alternating step by step.
+
+Usage:
+    python benchmarks/memory_and_startup.py            # all three
+    python benchmarks/memory_and_startup.py --only rss
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, resource, sys, time, warnings
+sys.path.insert(0, {root!r})
+warnings.simplefilter("ignore")
+import torch
+from ortlab.models import GPT, GPTConfig, make_batch
+mode, steps = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+model = GPT(GPTConfig())
+if mode == "ortlab":
+    import ortlab
+    model = ortlab.ORTModule(model)
+elif mode == "compile":
+    model = torch.compile(model)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+gen = torch.Generator().manual_seed(0)
+times = []
+for step in range(steps):
+    idx, tgt = make_batch("gpt", 8, generator=gen)
+    start = time.perf_counter()
+    loss = model(idx, tgt)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    times.append(time.perf_counter() - start)
+print(json.dumps({{"first_s": times[0], "median_ms": 1000 * statistics.median(times[1:]) if steps > 1 else None,
+                  "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+""".replace("statistics.median", "__import__('statistics').median")
+
+
+def child(mode: str, steps: int) -> dict:
+    code = CHILD.format(root=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", code, mode, str(steps)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def first_step() -> None:
+    print("== first step of the 4-layer GPT, fresh process ==")
+    for mode in ("eager", "compile", "ortlab"):
+        r = child(mode, 1)
+        print(f"{mode:<8} first step {r['first_s']:6.2f} s")
+
+
+def peak_rss(steps: int) -> None:
+    print(f"== peak RSS of a {steps}-step GPT training run, fresh process each ==")
+    results = {mode: child(mode, steps) for mode in ("eager", "ortlab")}
+    base = results["eager"]["max_rss_mib"]
+    for mode, r in results.items():
+        print(f"{mode:<8} max RSS {r['max_rss_mib']:8.1f} MiB  ({r['max_rss_mib'] / base:.2f}x eager)")
+
+
+def recompute(steps: int) -> None:
+    import copy
+    import warnings
+
+    sys.path.insert(0, str(ROOT))
+    warnings.simplefilter("ignore")
+    import torch
+
+    import ortlab
+    from ortlab.models import GPT, GPTConfig, make_batch
+
+    print(f"== recompute on the 4-layer GPT: saved bytes and step time ({steps} alternating steps) ==")
+    torch.manual_seed(0)
+    base = GPT(GPTConfig())
+    contenders = {p: ortlab.ORTModule(copy.deepcopy(base), recompute=p) for p in ("none", "auto", "layerwise")}
+    opts = {p: torch.optim.SGD(m.parameters(), lr=1e-3) for p, m in contenders.items()}
+    gen = torch.Generator().manual_seed(0)
+    batches = [make_batch("gpt", 8, generator=gen) for _ in range(4)]
+    times: dict[str, list[float]] = {p: [] for p in contenders}
+    for step in range(steps + 2):
+        for p, m in contenders.items():
+            start = time.perf_counter()
+            loss = m(*batches[step % 4])
+            loss.backward()
+            opts[p].step()
+            opts[p].zero_grad()
+            if step >= 2:
+                times[p].append(time.perf_counter() - start)
+    ref = statistics.median(times["none"])
+    base_bytes = contenders["none"].report.saved_activation_bytes
+    for p, m in contenders.items():
+        med = statistics.median(times[p])
+        saved = m.report.saved_activation_bytes
+        print(
+            f"{p:<10} saved activations {saved / 2**20:7.1f} MiB ({saved / base_bytes:.2f}x none)  "
+            f"step {1000 * med:7.1f} ms ({med / ref:.2f}x none)"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", choices=("first", "rss", "recompute"))
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args(argv)
+    if args.only in (None, "first"):
+        first_step()
+    if args.only in (None, "rss"):
+        peak_rss(args.steps)
+    if args.only in (None, "recompute"):
+        recompute(min(args.steps, 20))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
