@@ -96,6 +96,9 @@ class ExportedGraph:
         input_kinds: kind of each FX placeholder (tensor/int/float/bool).
         output_kinds: kind of each FX output; ``None`` where the graph returns None.
         output_dtypes: torch dtype of each tensor output (None otherwise).
+        output_sources: where each FX output comes from: ``None`` for the next
+            onnxruntime output, ``("input", i)`` for the i-th input returned as it is,
+            ``("output", j)`` for a repeat of FX output ``j``.
         seconds: time the translation took.
     """
 
@@ -103,6 +106,7 @@ class ExportedGraph:
     input_kinds: list[str]
     output_kinds: list[str | None]
     output_dtypes: list[torch.dtype | None]
+    output_sources: list[tuple[str, int] | None]
     seconds: float
 
     @property
@@ -214,32 +218,44 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
 
     graph = model.graph
     graph.outputs.clear()
-    inputs = set(id(v) for v in graph.inputs)
-    used: set[int] = set()
+    input_index = {id(v): i for i, v in enumerate(graph.inputs)}
+    first_position: dict[int, int] = {}
     output_kinds: list[str | None] = []
     output_dtypes: list[torch.dtype | None] = []
+    output_sources: list[tuple[str, int] | None] = []
     for i, out in enumerate(_output_nodes(gm)):
         if out is None:
             output_kinds.append(None)
             output_dtypes.append(None)
+            output_sources.append(None)
             continue
         if not isinstance(out, torch.fx.Node):
             raise ExportError(f"graph {name!r} returns a constant {out!r} at position {i}; not supported")
         val = out.meta.get("val")
         kind = value_kind(val)
+        output_kinds.append(kind)
+        output_dtypes.append(val.dtype if kind == "tensor" else None)
         value = values[out.name]
         if isinstance(value, (list, tuple)):
             raise ExportError(f"graph {name!r} output {out.name} is a sequence; expected one value")
-        if id(value) in inputs or id(value) in used or value.producer() is None:
+        # Inputs returned as they are (AOTAutograd saves parameters for the backward
+        # this way) and repeated outputs never cross into onnxruntime: an Identity
+        # would copy the whole tensor on every step.
+        if id(value) in input_index:
+            output_sources.append(("input", input_index[id(value)]))
+            continue
+        if id(value) in first_position:
+            output_sources.append(("output", first_position[id(value)]))
+            continue
+        first_position[id(value)] = i
+        if value.producer() is None:  # an initializer or constant: give it a producer
             ident = ir.Node("", "Identity", inputs=[value], name=f"output_identity_{i}")
             graph.append(ident)
             value = ident.outputs[0]
             value.name = f"{out.name}_out{i}"
-        used.add(id(value))
         value.dtype = None  # re-derive from the FX value: torchlib's guesses can be off
         _core._set_shape_type(value, val, complex_to_float=True)
-        output_dtypes.append(val.dtype if kind == "tensor" else None)
-        output_kinds.append(kind)
+        output_sources.append(None)
         graph.outputs.append(value)
 
     # torchlib's shape guesses for intermediate values can be wrong with symbolic
@@ -265,4 +281,4 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
     _ir_passes.add_opset_imports(model)
     # onnxruntime 1.31 reads IR version <= 13 while torch's exporter targets newer ones.
     model.ir_version = min(model.ir_version, 10)
-    return ExportedGraph(model, input_kinds, output_kinds, output_dtypes, time.perf_counter() - start)
+    return ExportedGraph(model, input_kinds, output_kinds, output_dtypes, output_sources, time.perf_counter() - start)

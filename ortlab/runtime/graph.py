@@ -177,7 +177,14 @@ class _Builder:
             self.record.onnx_ops[op] = self.record.onnx_ops.get(op, 0) + count
         self.record.ort_partitions += 1
         self.exported.append(exported)
-        return OrtRunner(session, exported.input_kinds, exported.output_kinds, exported.output_dtypes, self.ctx.device)
+        return OrtRunner(
+            session,
+            exported.input_kinds,
+            exported.output_kinds,
+            exported.output_dtypes,
+            exported.output_sources,
+            self.ctx.device,
+        )
 
 
 def _value_dtype(node: object) -> object:

@@ -48,6 +48,8 @@ class OrtRunner:
         session: the session to run.
         input_kinds: kind of each input (tensor/int/float/bool), in session order.
         output_kinds: kind of each FX output; ``None`` positions return None.
+        output_sources: per output, ``None`` (next onnxruntime output), ``("input", i)``
+            or ``("output", j)``: see ``ExportedGraph.output_sources``.
         device: where inputs live and outputs are allocated.
     """
 
@@ -57,6 +59,7 @@ class OrtRunner:
         input_kinds: list[str],
         output_kinds: list[str | None],
         output_dtypes: list[torch.dtype | None],
+        output_sources: list[tuple[str, int] | None],
         device: torch.device,
     ) -> None:
         self.session = session
@@ -66,6 +69,7 @@ class OrtRunner:
         self.input_kinds = input_kinds
         self.output_kinds = output_kinds
         self.output_dtypes = output_dtypes
+        self.output_sources = output_sources
         self.device = device
         self._ort_device = ort_device(device)
         self._in_devices = [self._ort_device] * len(self.input_names)
@@ -104,9 +108,13 @@ class OrtRunner:
         )
         produced = iter(outputs.to_dlpacks(torch._C._from_dlpack))
         result: list = []
-        for kind, dtype in zip(self.output_kinds, self.output_dtypes):
+        for kind, dtype, source in zip(self.output_kinds, self.output_dtypes, self.output_sources):
             if kind is None:
                 result.append(None)
+                continue
+            if source is not None:
+                where, index = source
+                result.append(args[index] if where == "input" else result[index])
                 continue
             t = next(produced)
             if kind == "tensor":
