@@ -12,6 +12,7 @@ one of a module (graph breaks, re-captures) insert ``g{index}``:
 ``inference``          the no-grad (eval) FX graph, ``.py``
 ``forward_exported``   forward ONNX as exported by torch.onnx/torchlib, ``.onnx``
 ``backward_exported``  backward ONNX as exported, ``.onnx``
+``*_onnxscript``       after onnxscript's optimizer (constant folding, pattern clean-up)
 ``*_ort_{level}``      onnxruntime's optimized model at basic/extended/all, ``.onnx``
 ``*_execution``        the model the session runs, ``.onnx``
 =====================  ==========================================================

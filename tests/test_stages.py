@@ -39,6 +39,8 @@ def test_all_stages_saved_with_names(tmp_path):
         "net_backward_train.py",
         "net_forward_exported_train.onnx",
         "net_backward_exported_train.onnx",
+        "net_forward_onnxscript_train.onnx",
+        "net_backward_onnxscript_train.onnx",
         "net_forward_ort_basic_train.onnx",
         "net_forward_ort_extended_train.onnx",
         "net_forward_ort_all_train.onnx",

@@ -27,6 +27,7 @@ from ortlab.capture.provenance import module_path, op_name, source_line
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import DeviceError, ExportError, FallbackError, SessionError, first_line
 from ortlab.onnx.export import ExportedGraph, export_graph, unsupported_nodes
+from ortlab.onnx.optimize import optimize_exported
 from ortlab.report import Fallback, GraphRecord, warn_fallback
 from ortlab.runtime.kernels import low_precision_nodes, missing_kernels
 from ortlab.runtime.runner import OrtRunner
@@ -157,9 +158,14 @@ class _Builder:
         stage = self.name if not part else f"{self.name}_{part}"
         exported = export_graph(gm, stage)
         self.record.export_s += exported.seconds
-        data = exported.to_bytes()
         w, mode = self.ctx.writer, self.record.mode
-        w.onnx(f"{stage}_exported", mode, data)
+        if w.enabled:
+            w.onnx(f"{stage}_exported", mode, exported.to_bytes())
+        if self.ctx.options.graph_optimization_level != "disable":
+            self.record.export_s += optimize_exported(exported)
+            if w.enabled:
+                w.onnx(f"{stage}_onnxscript", mode, exported.to_bytes())
+        data = exported.to_bytes()
         optimized = w.path(f"{stage}_execution", mode, "onnx") if w.enabled else None
         threads, why = choose_threads(self.ctx.options, matmul_flops(gm))
         self.record.threads = why
