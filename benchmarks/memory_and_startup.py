@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,9 +57,10 @@ print(json.dumps({{"first_s": times[0], "median_ms": 1000 * statistics.median(ti
 """.replace("statistics.median", "__import__('statistics').median")
 
 
-def child(mode: str, steps: int) -> dict:
+def child(mode: str, steps: int, env: dict | None = None) -> dict:
     code = CHILD.format(root=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", code, mode, str(steps)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code, mode, str(steps)], capture_output=True, text=True, check=True,
+                         env={**os.environ, **(env or {})})
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -66,6 +69,10 @@ def first_step() -> None:
     for mode in ("eager", "compile", "ortlab"):
         r = child(mode, 1)
         print(f"{mode:<8} first step {r['first_s']:6.2f} s")
+    with tempfile.TemporaryDirectory() as cache:
+        child("ortlab", 1, {"ORTLAB_CACHE_DIR": cache})  # fills the cache
+        r = child("ortlab", 1, {"ORTLAB_CACHE_DIR": cache})
+        print(f"{'ortlab, on-disk cache hit':<8} first step {r['first_s']:6.2f} s")
 
 
 def peak_rss(steps: int) -> None:

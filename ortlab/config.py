@@ -14,6 +14,7 @@ strict or verbose without touching the training script:
 ``ORTLAB_RECOMPUTE``              ``none``, ``auto``, ``layerwise`` or comma-separated selectors
 ``ORTLAB_OPT_LEVEL``              onnxruntime graph optimization: disable|basic|extended|all
 ``ORTLAB_DYNAMIC``                ``auto`` (default), 1 (symbolic sizes from the start) or 0
+``ORTLAB_CACHE_DIR``              folder of the on-disk cache of onnxruntime models
 ================================  =======================================================
 """
 
@@ -164,7 +165,11 @@ class Options:
             (fastest to capture and run); the first new size re-captures once with
             symbolic sizes, and later sizes reuse that graph. ``True``: symbolic from
             the start. ``False``: re-capture for every new size.
-        intra_op_num_threads: threads per onnxruntime session (default: onnxruntime's).
+        intra_op_num_threads: threads per onnxruntime session (default: one for
+            small graphs, onnxruntime's default otherwise).
+        cache_dir: a folder for the on-disk cache of the models onnxruntime runs; a
+            later process with the same graph, options and library versions skips
+            export and optimization.
     """
 
     recompute: RecomputeSpec = "none"
@@ -174,6 +179,7 @@ class Options:
     graph_optimization_level: str = "all"
     dynamic: bool | None = None
     intra_op_num_threads: int | None = None
+    cache_dir: str | None = None
     from_env: tuple[str, ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self) -> None:
@@ -192,6 +198,8 @@ class Options:
         if (v := _env("ORTLAB_DYNAMIC")) is not None:
             auto = v.strip().lower() == "auto"
             self.dynamic, _ = (None if auto else _env_bool("ORTLAB_DYNAMIC", v)), used.append("ORTLAB_DYNAMIC")
+        if (v := _env("ORTLAB_CACHE_DIR")) is not None:
+            self.cache_dir, _ = v, used.append("ORTLAB_CACHE_DIR")
         self.from_env = tuple(used)
         self.validate()
 
@@ -215,6 +223,8 @@ class Options:
             bad = [s for s in self.recompute if not isinstance(s, str) or not s]
             if bad:
                 raise ConfigError(f"recompute selectors must be non-empty strings, got {bad!r}.")
+        if self.cache_dir is not None:
+            os.makedirs(self.cache_dir, exist_ok=True)
         self.fallback_ops = tuple(self.fallback_ops)
         if isinstance(self.fallback_ops, str):
             raise ConfigError("fallback_ops takes a list of op names, e.g. ['aten.gelu'].")

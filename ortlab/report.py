@@ -73,6 +73,7 @@ class GraphRecord:
     export_s: float = 0.0
     session_s: float = 0.0
     threads: str = ""
+    cached: int = 0
     fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
 
 
@@ -132,6 +133,7 @@ class Report:
                     f"  {g.name:<10} {sum(g.fx_ops.values()):>5} aten ops -> {sum(g.onnx_ops.values()):>5} ONNX ops "
                     f"in {g.ort_partitions} onnxruntime part(s), {g.torch_nodes} PyTorch op(s); "
                     f"export {g.export_s:.2f} s, session {g.session_s:.2f} s"
+                    + (f" ({g.cached} from the on-disk cache)" if g.cached else "")
                 )
                 if top:
                     lines.append(f"             top ONNX ops: {top}")

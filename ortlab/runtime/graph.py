@@ -14,9 +14,11 @@ import dataclasses
 import logging
 import operator
 import re
+import shutil
 import time
 from collections.abc import Callable
 
+import onnx
 import torch
 import torch.fx
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
@@ -29,6 +31,7 @@ from ortlab.errors import DeviceError, ExportError, FallbackError, SessionError,
 from ortlab.onnx.export import ExportedGraph, export_graph, unsupported_nodes
 from ortlab.onnx.optimize import optimize_exported
 from ortlab.report import Fallback, GraphRecord, warn_fallback
+from ortlab.runtime.cache import CacheEntry, cache_key, load_entry, store_meta
 from ortlab.runtime.kernels import low_precision_nodes, missing_kernels
 from ortlab.runtime.runner import OrtRunner
 from ortlab.runtime.session import SMALL_GRAPH_FLOPS, choose_threads, create_session, failing_node, providers_for, save_optimized_models
@@ -156,6 +159,20 @@ class _Builder:
 
     def runner(self, gm: torch.fx.GraphModule, part: str) -> OrtRunner:
         stage = self.name if not part else f"{self.name}_{part}"
+        threads, why = choose_threads(self.ctx.options, matmul_flops(gm))
+        self.record.threads = why
+        entry = None
+        if self.ctx.options.cache_dir:
+            settings = {
+                "level": self.ctx.options.graph_optimization_level,
+                "providers": self.providers,
+                "threads": threads,
+                "device": str(self.ctx.device),
+            }
+            entry = CacheEntry(self.ctx.options.cache_dir, cache_key(gm, {}, settings))
+            hit = self._from_cache(entry, threads)
+            if hit is not None:
+                return hit
         exported = export_graph(gm, stage)
         self.record.export_s += exported.seconds
         w, mode = self.ctx.writer, self.record.mode
@@ -167,21 +184,22 @@ class _Builder:
                 w.onnx(f"{stage}_onnxscript", mode, exported.to_bytes())
         data = exported.to_bytes()
         optimized = w.path(f"{stage}_execution", mode, "onnx") if w.enabled else None
-        threads, why = choose_threads(self.ctx.options, matmul_flops(gm))
-        self.record.threads = why
+        target = entry.model_path if entry is not None else optimized
         try:
-            session, seconds = create_session(data, self.ctx.options, self.ctx.debug, self.providers, optimized, threads)
+            session, seconds = create_session(data, self.ctx.options, self.ctx.debug, self.providers, target, threads)
         except SessionError as e:
             e.exported = exported  # type: ignore[attr-defined]
             e.providers = self.providers  # type: ignore[attr-defined]
             raise
         self.record.session_s += seconds
+        if entry is not None:
+            store_meta(entry, exported.input_kinds, exported.output_kinds, exported.output_dtypes, exported.output_sources)
+            if optimized:
+                shutil.copyfile(entry.model_path, optimized)
         if w.enabled:
             w.add([optimized] if optimized else [])
             w.add(save_optimized_models(data, self.ctx.options, self.ctx.debug, self.providers, w.stem(stage, mode)))
-        for op, count in exported.op_counts().items():
-            self.record.onnx_ops[op] = self.record.onnx_ops.get(op, 0) + count
-        self.record.ort_partitions += 1
+        self._count(exported.op_counts())
         self.exported.append(exported)
         return OrtRunner(
             session,
@@ -189,6 +207,34 @@ class _Builder:
             exported.output_kinds,
             exported.output_dtypes,
             exported.output_sources,
+            self.ctx.device,
+        )
+
+    def _count(self, op_counts: dict[str, int]) -> None:
+        for op, count in op_counts.items():
+            self.record.onnx_ops[op] = self.record.onnx_ops.get(op, 0) + count
+        self.record.ort_partitions += 1
+
+    def _from_cache(self, entry: CacheEntry, threads: int | None) -> OrtRunner | None:
+        if not entry.exists() or (meta := load_entry(entry)) is None:
+            return None
+        try:
+            with open(entry.model_path, "rb") as f:
+                data = f.read()
+            # Already optimized by onnxruntime when it was stored.
+            session, seconds = create_session(
+                data, self.ctx.options, self.ctx.debug, self.providers, None, threads, level="disable"
+            )
+        except (OSError, SessionError) as e:
+            logger.warning("ortlab: dropping cache entry %s: %s", entry.model_path, first_line(e))
+            entry.remove()
+            return None
+        self.record.session_s += seconds
+        self.record.cached += 1
+        model = onnx.load_from_string(data)
+        self._count(dict(collections.Counter(n.op_type for n in model.graph.node).most_common()))
+        return OrtRunner(
+            session, meta["input_kinds"], meta["output_kinds"], meta["output_dtypes"], meta["output_sources"],
             self.ctx.device,
         )
 

@@ -83,6 +83,7 @@ def create_session(
     providers: list[str],
     optimized_path: str | None = None,
     threads: int | None = None,
+    level: str | None = None,
 ) -> tuple[ort.InferenceSession, float]:
     """Build the session a graph runs in; returns it with the seconds it took.
 
@@ -90,7 +91,7 @@ def create_session(
         SessionError: with onnxruntime's message (see :func:`failing_node`).
     """
     start = time.perf_counter()
-    so = session_options(options, debug, optimized_path=optimized_path, threads=threads)
+    so = session_options(options, debug, optimized_path=optimized_path, threads=threads, level=level)
     try:
         session = ort.InferenceSession(model_bytes, sess_options=so, providers=providers)
     except Exception as e:  # onnxruntime raises its own pybind exception types
