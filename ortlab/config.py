@@ -167,6 +167,8 @@ class Options:
             the start. ``False``: re-capture for every new size.
         intra_op_num_threads: threads per onnxruntime session (default: one for
             small graphs, onnxruntime's default otherwise).
+        profile: turn on onnxruntime's profiler in every session (per-kernel
+            timings for ``ortlab.monitor`` and ``GraphRecord.runners``).
         cache_dir: a folder for the on-disk cache of the models onnxruntime runs; a
             later process with the same graph, options and library versions skips
             export and optimization.
@@ -180,6 +182,7 @@ class Options:
     dynamic: bool | None = None
     intra_op_num_threads: int | None = None
     cache_dir: str | None = None
+    profile: bool = False
     from_env: tuple[str, ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ wrapped module, so a changed attribute is seen by Dynamo's guards and re-capture
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -160,6 +161,25 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_ortlab_report", report)
         object.__setattr__(self, "_ortlab_compiled", compiled)
         object.__setattr__(self, "_ortlab_calls", 0)
+
+    def reconfigure(self, **options: Any) -> None:
+        """Change engine options (``recompute``, ``fallback_ops``, ``profile``, ...).
+
+        The sessions are dropped and the next call captures again with the new
+        options; the report starts afresh. Weights, buffers and optimizer state are
+        untouched (they live in the wrapped module).
+
+        Example:
+            >>> model.reconfigure(recompute="layerwise", fallback_ops=["aten.gelu"])  # doctest: +SKIP
+        """
+        current = {
+            f.name: getattr(self._ortlab_options, f.name)
+            for f in dataclasses.fields(Options)
+            if f.name != "from_env"
+        }
+        current.update(options)
+        object.__setattr__(self, "_ortlab_options", Options.from_kwargs(current))
+        self._ortlab_reset()
 
     @property
     def module(self) -> nn.Module:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ortlab.errors import FallbackWarning
 
@@ -75,6 +75,14 @@ class GraphRecord:
     threads: str = ""
     cached: int = 0
     fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
+    # For inspection tools (profiling, divergence search, graph views); not part of the text report.
+    graph_module: Any = dataclasses.field(default=None, repr=False, compare=False)
+    parts: list[Any] = dataclasses.field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def runners(self) -> list[Any]:
+        """The ``OrtRunner`` of each onnxruntime partition."""
+        return [runner for runner, _ in self.parts]
 
 
 @dataclasses.dataclass

@@ -149,3 +149,29 @@ def test_dynamic_true_captures_once_for_all_sizes():
     for batch in (2, 3, 7):
         static(torch.randn(batch, 6))
     assert len(static.report.captures) == 3
+
+
+def test_reconfigure_recaptures_with_new_options_and_keeps_weights():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 2))
+    om = ortlab.ORTModule(copy.deepcopy(eager))
+    x = torch.randn(3, 6)
+    om(x).sum().backward()
+    assert not om.report.fallbacks
+    weights = {k: v.clone() for k, v in om.state_dict().items()}
+    om.reconfigure(fallback_ops=["aten.gelu"], profile=True)
+    assert om.options.fallback_ops == ("aten.gelu",) and om.options.profile
+    om.zero_grad()
+    out = om(x)
+    out.sum().backward()
+    eager(x).sum().backward()
+    torch.testing.assert_close(out, eager(x), rtol=RTOL, atol=ATOL)
+    assert [f.op for f in om.report.fallbacks] == ["aten.gelu"]
+    for key, value in weights.items():
+        assert torch.equal(om.state_dict()[key], value)
+    forward = om.report.captures[0].graphs[0]
+    assert forward.graph_module is not None and len(forward.runners) == forward.ort_partitions == 2
+    profile = forward.runners[0].session.end_profiling()
+    assert profile.endswith(".json")
+    with pytest.raises(ortlab.ConfigError, match="valid options"):
+        om.reconfigure(recompte="auto")

@@ -201,7 +201,7 @@ class _Builder:
             w.add(save_optimized_models(data, self.ctx.options, self.ctx.debug, self.providers, w.stem(stage, mode)))
         self._count(exported.op_counts())
         self.exported.append(exported)
-        return OrtRunner(
+        runner = OrtRunner(
             session,
             exported.input_kinds,
             exported.output_kinds,
@@ -209,6 +209,8 @@ class _Builder:
             exported.output_sources,
             self.ctx.device,
         )
+        self.record.parts.append((runner, exported))
+        return runner
 
     def _count(self, op_counts: dict[str, int]) -> None:
         for op, count in op_counts.items():
@@ -233,10 +235,12 @@ class _Builder:
         self.record.cached += 1
         model = onnx.load_from_string(data)
         self._count(dict(collections.Counter(n.op_type for n in model.graph.node).most_common()))
-        return OrtRunner(
+        runner = OrtRunner(
             session, meta["input_kinds"], meta["output_kinds"], meta["output_dtypes"], meta["output_sources"],
             self.ctx.device,
         )
+        self.record.parts.append((runner, None))
+        return runner
 
 
 def _value_dtype(node: object) -> object:
@@ -285,14 +289,14 @@ def compile_graph(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphCont
     Raises:
         FallbackError: when ``fallback="raise"`` and anything would run in PyTorch.
     """
-    record = GraphRecord(name=name, mode=mode, fx_ops=fx_op_counts(gm))
+    record = GraphRecord(name=name, mode=mode, fx_ops=fx_op_counts(gm), graph_module=gm)
     ctx.writer.fx(name, mode, gm)
     nodes = {n.name: n for n in gm.graph.nodes}
     blocked = {**unsupported_nodes(gm), **_user_fallbacks(gm, tuple(ctx.options.fallback_ops))}
     builder = _Builder(ctx, record, name)
     for _ in range(_MAX_RETRIES):
         _check_raise(blocked, nodes, ctx, name)
-        record.onnx_ops, record.ort_partitions, builder.exported = {}, 0, []
+        record.onnx_ops, record.ort_partitions, builder.exported, record.parts = {}, 0, [], []
         try:
             fn = _build(gm, blocked, builder)
         except (ExportError, SessionError) as e:
@@ -389,7 +393,7 @@ def _whole_graph_fallback(gm, name, mode, ctx, record, error) -> tuple[Callable,
     if ctx.options.fallback == "raise":
         raise FallbackError(f"graph {ctx.where}.{name} would run in PyTorch: {reason}") from error
     fb = Fallback(scope="graph", where=f"{ctx.where}.{name}", reason=reason)
-    record.onnx_ops, record.ort_partitions = {}, 0
+    record.onnx_ops, record.ort_partitions, record.parts = {}, 0, []
     record.fallbacks.append(fb)
     record.torch_nodes = sum(record.fx_ops.values())
     warn_fallback(fb)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import tempfile
 import time
 
 import onnxruntime as ort
@@ -68,6 +69,9 @@ def session_options(
     so.log_severity_level = debug.log_level.to_ort_severity()
     if threads is not None:
         so.intra_op_num_threads = threads
+    if options.profile:
+        so.enable_profiling = True
+        so.profile_file_prefix = os.path.join(tempfile.gettempdir(), "ortlab_profile")
     if optimized_path is not None:
         so.optimized_model_filepath = optimized_path
     # onnxruntime's idle threads spin by default, burning the cores PyTorch needs for
