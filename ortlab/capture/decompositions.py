@@ -26,7 +26,7 @@ import torch
 from torch._decomp import decomposition_table as _torch_decomps
 from torch.onnx._internal.exporter import _decomp, _registration
 
-__all__ = ["get_registry", "decomposition_table", "sdpa_math"]
+__all__ = ["get_registry", "decomposition_table", "sdpa_math", "convolution_backward"]
 
 aten = torch.ops.aten
 
@@ -70,7 +70,54 @@ def decomposition_table() -> dict[torch._ops.OpOverload, Callable]:
     for op in _FORCE_DECOMPOSE:
         if op in _torch_decomps:
             table[op] = _torch_decomps[op]
+    table[aten.convolution_backward.default] = convolution_backward
     return table
+
+
+def convolution_backward(
+    grad_output: torch.Tensor,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: list[int] | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    transposed: bool,
+    output_padding: list[int],
+    groups: int,
+    output_mask: list[bool],
+) -> object:
+    """``convolution_backward`` as two convolutions and a sum (torch has no decomposition).
+
+    Without it, every CNN's backward sends each convolution's gradient to PyTorch.
+    grad_input is the transposed convolution of grad_output with the same weight;
+    grad_weight is a convolution of the input with grad_output, batch and channels
+    swapped (stride and dilation trade places). Transposed and grouped convolutions
+    keep PyTorch's kernel (``NotImplemented`` leaves the op as it is).
+    """
+    if transposed or groups != 1:
+        return NotImplemented
+    spatial = list(range(2, grad_output.dim()))
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        out_pad = [
+            input.shape[d] - ((grad_output.shape[d] - 1) * stride[i] - 2 * padding[i] + dilation[i] * (weight.shape[d] - 1) + 1)
+            for i, d in enumerate(spatial)
+        ]
+        grad_input = aten.convolution.default(
+            grad_output, weight, None, stride, padding, dilation, True, out_pad, groups
+        )
+    if output_mask[1]:
+        swapped = aten.convolution.default(
+            input.transpose(0, 1), grad_output.transpose(0, 1), None, dilation, padding, stride, False,
+            [0] * len(spatial), 1,
+        )
+        for i, d in enumerate(spatial):
+            swapped = swapped.narrow(d, 0, weight.shape[d])
+        grad_weight = swapped.transpose(0, 1)
+    if output_mask[2]:
+        grad_bias = grad_output.sum(dim=[0, *spatial])
+    return grad_input, grad_weight, grad_bias
 
 
 def sdpa_math(
