@@ -17,7 +17,7 @@ from ortlab.errors import FallbackWarning
 if TYPE_CHECKING:
     from ortlab.partition.recompute import RecomputePlan
 
-__all__ = ["Fallback", "GraphRecord", "Report", "warn_fallback"]
+__all__ = ["Fallback", "GraphRecord", "Report", "reset_warnings", "warn_fallback"]
 
 _WARNED: set[tuple[str, str]] = set()
 
@@ -49,6 +49,11 @@ class Fallback:
         what = f"{self.op} ({self.node})" if self.node else self.where
         loc = f" at {self.module}" if self.module else ""
         return f"[{self.scope}] {what}{loc}: {self.reason}"
+
+
+def reset_warnings() -> None:
+    """Forget which fallbacks were warned about (each is warned once per process)."""
+    _WARNED.clear()
 
 
 def warn_fallback(fb: Fallback) -> None:

@@ -62,6 +62,7 @@ def seed_all(seed: int = 0) -> None:
 def _fresh_state():
     """Each test starts from seed 0 and an empty Dynamo cache (no cross-test cache growth)."""
     torch._dynamo.reset()
+    ortlab.report.reset_warnings()  # fallbacks warn once per process; each test sees its own
     seed_all(0)
     yield
     torch._dynamo.reset()

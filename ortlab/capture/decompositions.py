@@ -52,9 +52,13 @@ def get_registry() -> _registration.ONNXRegistry:
     old = reg_logger.level
     reg_logger.setLevel(logging.ERROR)  # "torchvision is not installed" noise
     try:
-        return _registration.ONNXRegistry.from_torchlib()
+        registry = _registration.ONNXRegistry.from_torchlib()
     finally:
         reg_logger.setLevel(old)
+    from ortlab.onnx.translations import register  # our own translations for torchlib's gaps
+
+    register(registry)
+    return registry
 
 
 @functools.lru_cache(maxsize=1)

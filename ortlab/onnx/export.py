@@ -36,6 +36,7 @@ from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_pas
 from ortlab.capture.decompositions import get_registry
 from ortlab.capture.provenance import module_path, op_name, source_line
 from ortlab.errors import ExportError, first_line
+from ortlab.onnx.translations import is_single_index_accumulate
 
 __all__ = ["ExportedGraph", "export_graph", "unsupported_nodes", "get_registry", "value_kind"]
 
@@ -57,13 +58,14 @@ RANDOM_OPS = {
 
 def _accumulating_index_put(node: torch.fx.Node) -> bool:
     accumulate = node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False)
-    return bool(accumulate)
+    return bool(accumulate) and not is_single_index_accumulate(node)
 
 
 # Translations that exist but give wrong results in onnxruntime: (op, predicate, reason).
 # ScatterND(reduction="add") on onnxruntime's CPU provider loses updates when indices
-# repeat (an embedding's backward): we measured grads off by 10-30 on repeated tokens,
-# different on every run.
+# repeat: we measured grads off by 10-30 on repeated tokens, different on every run.
+# The embedding form has our own exact translation (onnx/translations.py); the others
+# stay in PyTorch.
 KNOWN_WRONG = (
     ("aten._unsafe_index_put", _accumulating_index_put,
      "onnxruntime's ScatterND(reduction=add) races on repeated indices (wrong, non-deterministic sums)"),
