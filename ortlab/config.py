@@ -157,7 +157,8 @@ class Options:
             (``"op:aten.gelu"``) or a module path prefix (``"module:blocks.0.mlp"``).
         fallback: ``"warn"`` runs what onnxruntime cannot run in PyTorch, warning
             once per reason; ``"raise"`` turns every fallback into a ``FallbackError``.
-        fallback_ops: ops to run in PyTorch on purpose, e.g. ``["aten.gelu"]``.
+        fallback_ops: ops to run in PyTorch on purpose, e.g. ``["aten.gelu"]``, or
+            only inside one module: ``["aten.gelu@blocks.0"]``.
         providers: onnxruntime execution providers; by default CPU, or CUDA first when
             inputs are on CUDA and onnxruntime-gpu is installed.
         graph_optimization_level: onnxruntime's level: disable, basic, extended, all.

@@ -183,3 +183,17 @@ def test_sdpa_model_exports_attention_in_math_form():
     ops = [f.op for f in om.report.fallbacks]
     assert not any("scaled_dot_product" in op for op in ops)
     assert F.scaled_dot_product_attention  # the model really uses it
+
+
+def test_fallback_ops_scoped_to_a_module():
+    eager = tiny_gpt()
+    om = ortlab.ORTModule(copy.deepcopy(eager), fallback_ops=["aten.gelu@blocks.1"])
+    idx, tgt = make_batch("gpt", 4, vocab=50, block_size=16)
+    with pytest.warns(ortlab.FallbackWarning):
+        loss = om(idx, tgt)
+    loss.backward()
+    ref = eager(idx, tgt)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
+    gelu = [f for f in om.report.fallbacks if f.op == "aten.gelu"]
+    assert [f.module for f in gelu] == ["blocks.1"]

@@ -97,6 +97,12 @@ def matmul_flops(gm: torch.fx.GraphModule) -> int:
 
 
 def _matches(node: torch.fx.Node, wanted: str) -> bool:
+    """Does ``node`` match a ``fallback_ops`` entry: ``op`` or ``op@module.path``?"""
+    wanted, _, scope = wanted.partition("@")
+    if scope:
+        path = module_path(node)
+        if path != scope and not path.startswith(scope + "."):
+            return False
     name = op_name(node)
     wanted = wanted.replace("::", ".")
     if not wanted.startswith("aten.") and "." not in wanted:
