@@ -12,6 +12,7 @@ wrapped module, so a changed attribute is seen by Dynamo's guards and re-capture
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from ortlab.config import DebugOptions, Options
 from ortlab.errors import CaptureError, DeviceError, FallbackError, OrtlabError, UnsupportedInputError
 from ortlab.report import Fallback, Report, warn_fallback
 
-__all__ = ["ORTModule"]
+__all__ = ["ORTModule", "configure_torch"]
 
 logger = logging.getLogger("ortlab")
 
@@ -66,7 +67,18 @@ _DYNAMO_CONFIG = {
 }
 
 
-def _configure_torch() -> None:
+# Each ORTModule gets its own Dynamo cache and recompile budget where torch supports it
+# (2.12+): otherwise every ORTModule of one class shares the per-code cache, and after
+# 64 of them in a process (a notebook cell re-run 64 times) new ones would fall back.
+_ISOLATED = (
+    {"isolate_recompiles": True, "recompile_limit": 64}
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters
+    else {}
+)
+
+
+def configure_torch() -> None:
+    """Apply the process-wide torch settings ORTModule needs (see Note [Process-wide torch settings])."""
     for key, value in _DYNAMO_CONFIG.items():
         if getattr(torch._dynamo.config, key) != value:
             setattr(torch._dynamo.config, key, value)
@@ -145,7 +157,7 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_non_persistent_buffers_set", module._non_persistent_buffers_set)
         object.__setattr__(self, "training", module.training)
         logging.getLogger("ortlab").setLevel(debug.log_level.to_logging())
-        _configure_torch()
+        configure_torch()
         self._ortlab_reset()
 
     # ----------------------------------------------------------------- engine state
@@ -157,6 +169,7 @@ class ORTModule(nn.Module):
             backend=backend,
             dynamic=self._ortlab_options.dynamic,
             fullgraph=self._ortlab_options.fallback == "raise",
+            **_ISOLATED,
         )
         object.__setattr__(self, "_ortlab_report", report)
         object.__setattr__(self, "_ortlab_compiled", compiled)
@@ -233,7 +246,7 @@ class ORTModule(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        _configure_torch()
+        configure_torch()
         self._ortlab_reset()
 
     def __repr__(self) -> str:

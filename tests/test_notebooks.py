@@ -39,3 +39,39 @@ def test_quickstart():
     assert after * 2 <= before
     worst = float(re.search(r"largest gradient difference ([\d.e+-]+)", text).group(1))
     assert worst < 1e-4
+
+
+def test_stages_and_graphs():
+    nb, seconds = run("stages_and_graphs.ipynb")
+    text = text_of(nb)
+    assert seconds < 180
+    for stage in ("captured", "joint", "split", "exported", "onnxscript", "ort_basic", "ort_extended", "ort_all", "step"):
+        assert f"('{stage}', 'done')" in text
+    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
+    assert "<iframe" in html or "IFrame" in text  # the netron view
+
+
+def test_memory_and_recompute():
+    nb, seconds = run("memory_and_recompute.ipynb")
+    text = text_of(nb)
+    assert seconds < 180
+    before, after = (int(x.replace(",", "")) for x in re.search(r"saved activations ([\d,]+) -> ([\d,]+) bytes", text).groups())
+    assert after * 2 <= before
+    assert "one activation:" in text
+
+
+def test_performance():
+    nb, seconds = run("performance.ipynb")
+    text = text_of(nb)
+    assert seconds < 180
+    assert re.search(r"steps recorded: (39|40)", text)
+    assert re.search(r"\d+ ops; \d+ op groups in PyTorch", text)
+
+
+def test_divergence():
+    nb, seconds = run("divergence.ipynb")
+    text = text_of(nb)
+    assert seconds < 180
+    assert "matches eager: True" in text
+    assert "first divergence: g0.forward gelu_1 aten.gelu at blocks.1" in text
+    assert "ops whose fallback removes the divergence: ['aten.gelu']" in text

@@ -27,11 +27,16 @@ def optimize_exported(exported: ExportedGraph) -> float:
     start = time.perf_counter()
     names_in = [v.name for v in exported.model.graph.inputs]
     names_out = [v.name for v in exported.model.graph.outputs]
+    quiet = logging.getLogger("onnx_ir")  # "Skipped deduplication of initializer ..." on every graph
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         onnxscript.optimizer.optimize_ir(exported.model)
     except Exception as e:  # the optimizer is best effort; the exported graph is correct
         logger.warning("onnxscript's optimizer failed on %s (%s); using the graph as exported",
                        exported.model.graph.name, first_line(e))
+    finally:
+        quiet.setLevel(level)
     if [v.name for v in exported.model.graph.inputs] != names_in or [v.name for v in exported.model.graph.outputs] != names_out:
         raise RuntimeError("onnxscript's optimizer changed the graph's inputs or outputs")
     return time.perf_counter() - start

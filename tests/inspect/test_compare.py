@@ -1,0 +1,266 @@
+"""ortlab.inspect: comparing a step with eager PyTorch, finding the diverging node and op, repro scripts.
+
+The planted bug: a wrapper around ``optimize_exported`` makes one ONNX node compute in
+low precision (Cast to float16 or bfloat16 and back after it, the low-precision value keeping the FX
+node's name), as a kernel that silently loses precision would.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import onnx_ir as ir
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ortlab
+import ortlab.runtime.graph
+from ortlab.inspect import CompareResult, bisect_fallbacks, compare
+from ortlab.inspect.bisect import graph_from_dict, graph_to_dict, minimize
+from ortlab.inspect.compare import compare_tensors
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+class Act(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x)  # the planted bug's source line
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.act = Act()
+        self.ln = nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.act(self.fc(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.mlp = Block()
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.mlp(torch.tanh(self.emb(x)))), y)
+
+
+def make() -> tuple[Net, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return Net(), torch.randn(6, 8, generator=g) * 2, torch.randint(0, 4, (6,), generator=g)
+
+
+def plant_low_precision(exported: object, op: str, module: str, graph: str, dtype: ir.DataType) -> None:
+    """Round the output of the ONNX nodes of ``op`` at ``module`` in graph ``graph*`` to ``dtype``."""
+    model_graph = exported.model.graph  # type: ignore[attr-defined]
+    if not (model_graph.name or "").startswith(graph):
+        return
+    for node in list(model_graph):
+        props = node.metadata_props
+        if props.get("ortlab.op") != op or props.get("ortlab.module") != module:
+            continue
+        fx = props["ortlab.fx_node"]
+        out = next((v for v in node.outputs if v.name == fx), None)
+        if out is None:
+            continue
+        uses = list(out.uses())
+        outputs = [i for i, v in enumerate(model_graph.outputs) if v is out]
+        low = ir.node("Cast", [out], attributes={"to": dtype}, name=f"planted_{fx}_low")
+        back = ir.node("Cast", [low.outputs[0]], attributes={"to": ir.DataType.FLOAT}, name=f"planted_{fx}_fp32")
+        for user, index in uses:
+            user.replace_input_with(index, back.outputs[0])
+        for i in outputs:
+            model_graph.outputs[i] = back.outputs[0]
+        out.name, back.outputs[0].name = f"{fx}_exact", fx
+        back.outputs[0].dtype, back.outputs[0].shape = out.dtype, out.shape
+        for n in (low, back):
+            n.metadata_props.update(props)
+        model_graph.insert_after(node, [low, back])
+
+
+@pytest.fixture
+def planted(monkeypatch):
+    """``planted(op, module, graph)`` makes that op compute in float16 in every session built afterwards."""
+
+    def plant(op: str, module: str, graph: str = "forward", dtype: ir.DataType = ir.DataType.FLOAT16) -> None:
+        original = ortlab.runtime.graph.optimize_exported
+
+        def optimize(exported: object) -> float:
+            seconds = original(exported)
+            plant_low_precision(exported, op, module, graph, dtype)
+            return seconds
+
+        monkeypatch.setattr(ortlab.runtime.graph, "optimize_exported", optimize)
+
+    return plant
+
+
+def fx_names(result: CompareResult, op: str, module: str, graph: str) -> list[str]:
+    return [n.node for n in result.nodes if n.op == op and n.module == module and n.graph == graph]
+
+
+# ------------------------------------------------------------------------------ comparators
+def test_compare_tensors_follows_allclose_and_counts_mismatches():
+    e = torch.tensor([1.0, 2.0, 0.0, float("nan")])
+    s = compare_tensors(e + torch.tensor([0.0, 1e-3, 1e-6, 0.0]), e, rtol=RTOL, atol=ATOL)
+    assert not s.allclose and s.mismatched == 1 and s.numel == 4  # NaN matches NaN, 1e-6 is within atol
+    assert s.max_abs == pytest.approx(1e-3, rel=1e-3) and s.max_rel == pytest.approx(5e-4, rel=1e-3)
+    assert s.worst_ratio == pytest.approx(1e-3 / (ATOL + RTOL * 2.0), rel=1e-3)
+    assert compare_tensors(e, e).allclose and compare_tensors(e, e).max_abs == 0
+    assert compare_tensors(torch.tensor([float("nan")]), torch.tensor([1.0])).max_abs == math.inf
+    ints = compare_tensors(torch.tensor([1, 2, 4]), torch.tensor([1, 2, 3]))
+    assert not ints.allclose and ints.mismatched == 1
+    shape = compare_tensors(torch.zeros(2, 3), torch.zeros(3, 2))
+    assert not shape.allclose and "shape" in shape.note
+
+
+def test_minimize_bisects_then_drops_what_is_not_needed():
+    seen = []
+
+    def needs_3_and_5(subset):
+        seen.append(list(subset))
+        return 3 in subset and 5 in subset
+
+    found, trials = minimize(list(range(8)), needs_3_and_5)
+    assert found == [3, 5]
+    assert len(trials) == len({frozenset(s) for s in seen})  # memoized
+    assert minimize(list(range(8)), lambda s: 6 in s, hints=[6])[0] == [6]
+
+
+def test_graph_round_trip_keeps_node_names():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    const = torch.randn(4)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(F.layer_norm(x, (4,)) * const).sum(dim=0)
+
+    x = torch.randn(3, 4)
+    gm = make_fx(fn)(x)
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+    again = graph_from_dict(graph_to_dict(gm))
+    assert [n.name for n in again.graph.nodes] == [n.name for n in gm.graph.nodes]
+    torch.testing.assert_close(again(x), fn(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------- the step
+def test_clean_model_reports_no_divergence():
+    model, x, y = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = compare(model, x, y)
+    assert result.ok and result.matches and result.first_divergence is None, str(result)
+    assert result.loss is not None and result.loss.ok
+    assert {c.name for c in result.grads} == {n for n, _ in model.named_parameters()}
+    graphs = {n.graph for n in result.nodes}
+    assert graphs == {"g0.forward", "g0.backward"}
+    assert sum(n.stats is not None for n in result.nodes) > 40
+    assert {layer.module for layer in result.layers()} >= {"emb", "mlp.fc", "mlp.act", "mlp.ln", "head"}
+    text = str(result)
+    assert "ortlab.compare: OK" in text and "first divergence: none" in text and "mlp.act" in text
+    assert "<table>" in result._repr_html_()
+    # The user's model is untouched: no grads, same state.
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+class Dropped(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.drop = nn.Dropout(0.3)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.drop(self.fc(x))))
+
+
+def test_ops_in_pytorch_are_compared_where_they_enter_onnxruntime():
+    torch.manual_seed(0)
+    om = ortlab.ORTModule(Dropped(), fallback_ops=["aten.gelu"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ortlab.FallbackWarning)  # warned once per process, maybe already
+        result = compare(om, torch.randn(5, 8))  # an ORTModule: its module and options
+    assert result.ok, str(result)
+    assert result.options["fallback_ops"] == ("aten.gelu",)
+    gelu = next(n for n in result.nodes if n.op == "aten.gelu")
+    # PyTorch's reference run of the graph drew the same dropout mask as the step did.
+    assert gelu.runtime == "pytorch" and gelu.status == "ok" and gelu.stats is not None
+    dropout = [n for n in result.nodes if n.module == "drop" and n.graph == "g0.forward"]
+    assert dropout and all(n.status == "pytorch" for n in dropout)
+    assert len([p for g in result.graphs if g.name == "forward" for p in g.parts]) == 2
+
+
+def test_planted_fp16_gelu_is_the_first_divergence(planted):
+    planted("aten.gelu", "mlp.act")
+    model, x, y = make()
+    result = compare(model, x, y)
+    assert not result.matches, str(result)
+    (gelu,) = fx_names(result, "aten.gelu", "mlp.act", "g0.forward")
+    first = result.first_divergence
+    assert first is not None, str(result)
+    assert (first.graph, first.node, first.op, first.module) == ("g0.forward", gelu, "aten.gelu", "mlp.act")
+    assert "test_compare.py" in first.source and "in forward" in first.source
+    assert first.stats is not None and first.stats.max_rel > RTOL and first.stats.max_rel < 1e-2  # float16 rounding
+    # Everything before it matches; the per-layer table points at the same module.
+    before = [n for n in result.nodes if n.graph == "g0.forward" and n.index < first.index and n.stats is not None]
+    assert before and all(n.status == "ok" for n in before)
+    layer = result.first_divergent_layer
+    assert layer is not None and layer.module == "mlp.act" and layer.first is first and layer.worst["forward"] > 1
+    worst_forward = {row.module: row.worst["forward"] for row in result.layers()}
+    assert worst_forward["emb"] <= 1 and worst_forward["mlp.fc"] <= 1 and worst_forward["mlp.ln"] > 1
+    text = str(result)
+    assert "DIVERGED" in text and f"first divergence: g0.forward {gelu} (aten.gelu) at mlp.act" in text
+
+
+def test_planted_backward_bug_is_found_in_the_backward_graph(planted):
+    # float16 rounding of this small gradient stays within atol; bfloat16's does not.
+    planted("aten.mm", "head", graph="backward", dtype=ir.DataType.BFLOAT16)
+    model, x, y = make()
+    result = compare(model, x, y)
+    first = result.first_divergence
+    assert first is not None, str(result)
+    assert (first.graph, first.op, first.module) == ("g0.backward", "aten.mm", "head")
+    assert not any(n.status == "diverged" for n in result.nodes if n.graph == "g0.forward")
+    assert not result.matches
+    assert not next(c for c in result.grads if c.name == "mlp.fc.weight").ok
+
+
+def test_bisect_names_the_op_and_the_repro_reproduces(planted, tmp_path):
+    planted("aten.gelu", "mlp.act")
+    model, x, y = make()
+    found = bisect_fallbacks(model, x, y, repro_dir=str(tmp_path))
+    assert found.found and found.ops == ["aten.gelu"], str(found)
+    assert found.candidates[0] == "aten.gelu"
+    assert found.trials[-1].ops == ("aten.gelu",) and found.trials[-1].passed
+    assert "fallback_ops=['aten.gelu']" in str(found)
+    assert found.repro == str(tmp_path / "repro.py") and os.path.exists(found.repro)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORTLAB_")}
+    run = subprocess.run([sys.executable, found.repro], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    gelu = found.baseline.first_divergence.node  # type: ignore[union-attr]
+    assert f"node {gelu} (aten.gelu)" in run.stdout and "mlp.act" in run.stdout
+    assert "DIVERGES onnxruntime vs PyTorch (same graph" in run.stdout
+    assert "DIVERGES onnxruntime vs PyTorch's aten.gelu on onnxruntime's own inputs" in run.stdout
+    # Translated again without the planted bug, the same graph matches PyTorch.
+    again = subprocess.run([sys.executable, found.repro, "--reexport"], capture_output=True, text=True, env=env,
+                           timeout=120)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "ok       onnxruntime vs PyTorch" in again.stdout
+
+
+def test_bisect_on_a_clean_model_has_nothing_to_do():
+    model, x, y = make()
+    found = bisect_fallbacks(model, x, y)
+    assert found.found and found.ops == [] and found.repro is None and not found.trials
+    assert "nothing to bisect" in str(found)

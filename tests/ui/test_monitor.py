@@ -1,0 +1,344 @@
+"""The live training monitor, without a browser: recording, redraws, profiles, save/load, fallbacks."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import math
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import ortlab
+from ortlab.models import TinyMLP, make_batch
+from ortlab.ui import Monitor, monitor
+from ortlab.ui.monitor import measure_overhead
+
+monitor_module = importlib.import_module("ortlab.ui.monitor")  # ortlab.ui.monitor is also the function
+
+go = pytest.importorskip("plotly.graph_objects")
+
+
+class LossMLP(nn.Module):
+    """TinyMLP that returns its loss (a scalar output the monitor takes as the loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TinyMLP()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def _batch(n: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    return make_batch("tiny", n, torch.Generator().manual_seed(0))
+
+
+def _train(om: nn.Module, steps: int, mon: Monitor | None = None, n: int = 16) -> list[float]:
+    x, y = _batch(n)
+    opt = torch.optim.SGD(om.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        out = om(x, y) if isinstance(om.module, LossMLP) else om(x)
+        loss = out if out.dim() == 0 else nn.functional.cross_entropy(out, y)
+        if mon is not None and out.dim() != 0:
+            mon.log(loss=loss)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _widget_trace(mon: Monitor, name: str):
+    return next(t for t in mon._figure_widget.data if t.name == name)
+
+
+def test_records_each_step_with_the_scalar_output_as_loss():
+    om = ortlab.ORTModule(LossMLP())
+    mon = monitor(om, every=5, show=False, profile=False)
+    losses = _train(om, 12)
+    assert mon.steps == 11  # the 12th step is still running
+    mon.close()
+    data = mon.data
+    assert [row["step"] for row in data] == list(range(1, 13))
+    assert [row["loss"] for row in data] == pytest.approx(losses)
+    assert all(row["batch"] == 16 and row["step_s"] > 0 for row in data)
+    assert all(row["samples_per_s"] == pytest.approx(16 / row["step_s"]) for row in data)
+    assert data[0]["step_s"] == max(row["step_s"] for row in data), "the first step captures"
+    assert [row["time_s"] for row in data] == sorted(row["time_s"] for row in data)
+    memory = [row for row in data if "rss_bytes" in row]
+    assert memory and all(row["rss_bytes"] > 0 and row["saved_bytes"] > 0 for row in memory)
+    assert "forward" not in om.__dict__, "close() restores the module's forward"
+
+
+def test_logged_values_eval_calls_and_no_grad_calls():
+    om = ortlab.ORTModule(TinyMLP())
+    mon = monitor(om, every=100, show=False, profile=False)
+    x, y = _batch()
+    for i in range(4):
+        loss = nn.functional.cross_entropy(om(x), y)
+        mon.log(loss=loss, lr=0.1 * i)
+        with torch.no_grad():
+            om(x)  # not a step
+        loss.backward()
+    om.eval()
+    om(x)  # not a step either
+    om.train()
+    mon.close()
+    data = mon.data
+    assert len(data) == 4
+    assert [row["lr"] for row in data] == pytest.approx([0.0, 0.1, 0.2, 0.3])
+    assert all(isinstance(row["loss"], float) for row in data)
+
+
+def test_explicit_steps():
+    om = ortlab.ORTModule(TinyMLP())
+    mon = monitor(om, every=3, auto=False, show=False, profile=False)
+    x, y = _batch(8)
+    for _ in range(7):
+        loss = nn.functional.cross_entropy(om(x), y)
+        loss.backward()
+        mon.step(loss, batch_size=8, grad_norm=1.5)
+    mon.close()
+    data = mon.data
+    assert len(data) == 7
+    assert [row["batch"] for row in data] == [8] * 7
+    assert all(row["grad_norm"] == 1.5 and row["loss"] is not None for row in data)
+    assert data[0]["step_s"] == max(row["step_s"] for row in data), "the first step captures"
+
+
+def test_redraws_every_n_steps_in_one_batch_update(monkeypatch):
+    om = ortlab.ORTModule(TinyMLP())
+    mon = monitor(om, every=10, show=False, profile=False, budget=None)
+    assert mon.widget() is not None
+    fw = mon._figure_widget
+    batches = []
+    original = type(fw).batch_update
+
+    def counting(self):
+        batches.append(mon.steps)
+        return original(self)
+
+    monkeypatch.setattr(type(fw), "batch_update", counting)
+    _train(om, 11, mon)
+    assert batches == [] and len(_widget_trace(mon, "step").x) == 0
+    _train(om, 1, mon)  # the 12th forward ends step 11 (the first check only starts the clock)
+    assert batches == [11]
+    assert list(_widget_trace(mon, "step").x) == list(range(1, 12))
+    assert len(_widget_trace(mon, "loss").y) == 11
+    assert _widget_trace(mon, "process RSS").visible
+    _train(om, 9, mon)
+    assert batches == [11], "no redraw between checkpoints"
+    _train(om, 1, mon)
+    assert batches == [11, 21]
+    assert len(_widget_trace(mon, "samples/s").y) == 21
+    assert "step 21" in mon._status.value and "step 21" in fw.layout.title.text
+    mon.close()
+
+
+def test_profile_windows_fill_the_kernel_panels():
+    om = ortlab.ORTModule(TinyMLP())
+    mon = monitor(om, every=5, profile_steps=3, show=False, budget=None)
+    mon.widget()
+    _train(om, 40, mon)
+    mon.close()
+    assert len(mon.profiles) >= 2
+    for p in mon.profiles:
+        assert p["steps"] == 3
+        assert {r.graph for r in p["nodes"]} == {"g0.forward", "g0.backward"}
+        assert all(r.count == 3 for r in p["nodes"])
+    profiled = [row["step"] for row in mon.data if row["profiled"]]
+    assert len(profiled) == 4 * len(mon.profiles)  # three counted steps and one warm-up each
+    assert mon.profiles[0]["step"] == profiled[1]
+    top = next(t for t in mon._figure_widget.data if t.type == "bar")
+    assert len(top.y) == min(10, len(mon.profiles[-1]["nodes"])) and all(v > 0 for v in top.x)
+    bars = [t for t in mon._figure_widget.data if t.type == "bar"]
+    assert set(bars[2].y) <= {"net.0", "net.1", "net.2"}
+    assert len(_widget_trace(mon, "onnxruntime kernels / step").x) == len(mon.profiles)
+    assert len(om.report.captures) == 1, "profiling does not re-capture"
+
+
+def test_profile_now_ignores_the_budget():
+    om = ortlab.ORTModule(TinyMLP())
+    mon = monitor(om, every=5, profile_steps=2, show=False)  # the default budget
+    _train(om, 3)
+    mon.profile_now()
+    _train(om, 4)
+    mon.close()
+    assert len(mon.profiles) == 1 and mon.profiles[0]["steps"] == 2
+    assert [row["profiled"] for row in mon.data] == [False] * 3 + [True] * 3 + [False]
+    with pytest.raises(RuntimeError, match="does not profile"):
+        Monitor(om, profile=False).profile_now()
+
+
+def test_a_plain_module_can_be_watched_as_a_baseline():
+    model = TinyMLP()
+    mon = monitor(model, every=2, show=False, budget=None)
+    x, y = _batch()
+    for _ in range(5):
+        nn.functional.cross_entropy(model(x), y).backward()
+    mon.close()
+    assert mon.steps == 5 and mon.profiles == []
+    assert all(row.get("saved_bytes", 0) == 0 for row in mon.data)
+
+
+def test_deferred_gpu_scalars_are_read_in_one_go():
+    mon = Monitor(ortlab.ORTModule(TinyMLP()))
+    mon._loss = {0: torch.tensor(1.5), 1: 2.0, 2: torch.tensor(3.0, dtype=torch.float16)}
+    mon._extra = {"lr": {1: torch.tensor(0.1)}}
+    mon._materialize()
+    assert mon._loss == {0: 1.5, 1: 2.0, 2: 3.0}
+    assert mon._extra["lr"][1] == pytest.approx(0.1)
+
+
+def test_a_profiling_module_is_read_at_close():
+    om = ortlab.ORTModule(TinyMLP(), profile=True)
+    mon = monitor(om, every=5, show=False)
+    _train(om, 6)
+    assert mon.profiles == []
+    mon.close()
+    assert len(mon.profiles) == 1 and mon.profiles[0]["nodes"]
+
+
+def test_save_and_load_round_trip(tmp_path):
+    om = ortlab.ORTModule(TinyMLP())
+    with monitor(om, every=4, profile_steps=2, show=False, budget=None) as mon:
+        _train(om, 20, mon)
+    path = mon.save(tmp_path / "run.json")
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["format"] == "ortlab.monitor" and len(doc["steps"]) == 20
+    loaded = Monitor.load(path)
+    assert loaded.steps == mon.steps == 20
+    for a, b in zip(loaded.data, mon.data):
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(b[key], float):
+                assert a[key] == pytest.approx(b[key], rel=1e-9, abs=1e-12), key
+            else:
+                assert a[key] == b[key], key
+    assert [p["nodes"] for p in loaded.profiles] == [p["nodes"] for p in mon.profiles]
+    fig, original = loaded.figure(), mon.figure()
+    assert isinstance(fig, go.Figure) and len(fig.data) == len(original.data) == 12
+    for a, b in zip(fig.data, original.data):
+        assert a.name == b.name
+        assert list(a.x if a.x is not None else []) == pytest.approx(list(b.x if b.x is not None else []))
+    with pytest.raises(RuntimeError, match="loaded from a file"):
+        loaded.attach()
+    (tmp_path / "other.json").write_text("{}")
+    with pytest.raises(ValueError, match="not an ortlab monitor file"):
+        Monitor.load(tmp_path / "other.json")
+
+
+def test_falls_back_to_a_plain_figure_updated_in_place(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("anywidget could not start")
+
+    monkeypatch.setattr(go, "FigureWidget", broken)
+    shown, updates = [], []
+
+    class Handle:
+        def update(self, obj, **kwargs):
+            updates.append((obj, kwargs))
+
+    def fake_display(obj, display_id=None, raw=False, **kwargs):
+        shown.append((obj, raw))
+        return Handle() if display_id else None
+
+    import IPython.display
+
+    monkeypatch.setattr(IPython.display, "display", fake_display)
+    om = ortlab.ORTModule(TinyMLP())
+    mon = monitor(om, every=5, show=True, profile=False, budget=None)
+    assert mon.widget() is None
+    assert len(shown) == 1
+    bundle, raw = shown[0]
+    # A raw mime bundle, not the Figure: a Figure's own display ignores display_id.
+    assert raw and "text/html" in bundle and "waiting for the first step" in bundle["text/plain"]
+    assert len(updates) == 1  # show() times one redraw: the budget's first estimate
+    _train(om, 7, mon)
+    assert len(updates) == 2
+    bundle, kwargs = updates[1]
+    assert kwargs == {"raw": True} and bundle["text/plain"].startswith("step 6 |")
+    mon.close()
+    assert len(updates) == 3 and updates[2][0]["text/plain"].startswith("step 7 |")
+
+
+def test_front_ends_without_widgets_get_the_plain_figure(monkeypatch):
+    monkeypatch.setenv("VSCODE_PID", "1")
+    assert Monitor(ortlab.ORTModule(TinyMLP())).widget() is None
+    monkeypatch.delenv("VSCODE_PID")
+    assert Monitor(ortlab.ORTModule(TinyMLP()), mode="static").widget() is None
+    assert Monitor(ortlab.ORTModule(TinyMLP())).widget() is not None
+
+
+def test_repr_html_and_status_before_any_step():
+    mon = Monitor(ortlab.ORTModule(TinyMLP()))
+    assert "waiting for the first step" in mon.status()
+    assert "<div" in mon._repr_html_()
+    assert repr(mon).startswith("Monitor(steps=0")
+
+
+def test_long_runs_are_downsampled():
+    x = torch.arange(1, 10_001, dtype=torch.float64).numpy()
+    xs, ys = monitor_module._downsample(x, x * 2, 1000)
+    assert len(xs) == 1000 and ys == pytest.approx(xs * 2)
+    assert monitor_module._downsample(x[:10], x[:10], 1000)[0] is not None
+
+
+def test_a_deep_copy_runs_unwatched_and_a_watched_module_pickles():
+    om = ortlab.ORTModule(TinyMLP())
+    mon = monitor(om, every=5, show=False, profile=False)
+    _train(om, 3)
+    twin = copy.deepcopy(om)
+    x, _ = _batch()
+    torch.testing.assert_close(twin(x), om.module(x))
+    steps = len(mon._start)
+    twin(x)
+    assert len(mon._start) == steps, "the copy's calls are not the monitor's steps"
+    restored = pickle.loads(pickle.dumps(om))
+    torch.testing.assert_close(restored(x), om.module(x))
+    mon.close()
+
+
+def test_importing_ortlab_ui_does_not_import_plotly_or_ipywidgets():
+    code = (
+        "import sys, ortlab, ortlab.ui, ortlab.inspect.profile, ortlab.inspect.memory\n"
+        "bad = [m for m in ('plotly', 'ipywidgets', 'anywidget') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bad_arguments_name_the_valid_choices():
+    om = ortlab.ORTModule(TinyMLP())
+    with pytest.raises(ValueError, match="'auto', 'widget' or 'static'"):
+        Monitor(om, mode="browser")
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        Monitor(om, budget=5)
+    with pytest.raises(ValueError, match="positive"):
+        Monitor(om, every=0)
+
+
+def test_monitor_overhead_is_under_five_percent():
+    """A tiny MLP (0.4 ms a step, the worst case) with the live widget and profile windows (3-10 s).
+
+    Measured on the 2-core CPU box: 2.4-3.1% (the monitor's own accounting 0.7-1.7%);
+    ortlab.models.MLP (5 ms a step): within noise (under 1%).
+    """
+    results = []
+    for _ in range(3):  # the machine is shared: a noisy measurement gets two more tries
+        result = measure_overhead(steps=300, rounds=12)
+        results.append(result)
+        if result["overhead"] < 0.05 and result["profiles"] >= 1:
+            break
+    best = min(results, key=lambda r: r["overhead"])
+    assert best["steps"] > 3000 and math.isfinite(best["redraw_ms"])
+    assert any(r["profiles"] >= 1 for r in results), results
+    assert best["monitor_fraction"] <= 0.025, best
+    assert best["overhead"] < 0.05, results

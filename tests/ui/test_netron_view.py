@@ -1,0 +1,266 @@
+"""The netron server (127.0.0.1, free port, only saved files, offline page) and module subgraphs."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+
+import onnx
+import onnx.helper as oh
+import pytest
+from onnx import TensorProto
+
+from ortlab.errors import ConfigError
+from ortlab.ui import netron_view
+from ortlab.ui.netron_view import (
+    SETTINGS_SCRIPT,
+    ModulePicker,
+    NetronServer,
+    annotate,
+    NetronView,
+    extract_module,
+    module_counts,
+    proxy_prefix,
+    resolve_node,
+    view_file,
+)
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, b""
+
+
+def _node(op: str, inputs: list[str], outputs: list[str], name: str, module: str, fx: str) -> onnx.NodeProto:
+    node = oh.make_node(op, inputs, outputs, name=name)
+    for key, value in (("ortlab.module", module), ("ortlab.fx_node", fx), ("ortlab.source", "model.py:3 in forward")):
+        entry = node.metadata_props.add()
+        entry.key, entry.value = key, value
+    return node
+
+
+def _layered_model() -> onnx.ModelProto:
+    """x -> blocks.0 (Relu, Add w0) -> blocks.1 (Relu, Add w1) -> head (Neg) -> y, 5 nodes."""
+    nodes = [
+        _node("Relu", ["x"], ["r0"], "node_relu", "blocks.0.act", "relu"),
+        _node("Add", ["r0", "w0"], ["a0"], "node_add", "blocks.0", "add"),
+        _node("Relu", ["a0"], ["r1"], "node_relu_1", "blocks.1.act", "relu_1"),
+        _node("Add", ["r1", "w1"], ["a1"], "node_add_1", "blocks.1", "add_1"),
+        _node("Neg", ["a1"], ["y"], "node_neg", "head", "neg"),
+    ]
+    f = TensorProto.FLOAT
+    graph = oh.make_graph(
+        nodes, "forward",
+        [oh.make_tensor_value_info("x", f, [2, 3])],
+        [oh.make_tensor_value_info("y", f, [2, 3])],
+        initializer=[oh.make_tensor("w0", f, [3], [1.0, 2.0, 3.0]), oh.make_tensor("w1", f, [3], [4.0, 5.0, 6.0])],
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    model.ir_version = 10
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "net_forward_exported_train.onnx"
+    onnx.save(_layered_model(), str(path))
+    (tmp_path / "secret.txt").write_text("not an ortlab file")
+    return path
+
+
+@pytest.fixture
+def server():
+    s = NetronServer().start()
+    yield s
+    s.stop()
+
+
+# ------------------------------------------------------------------------------------ server
+def test_server_serves_only_registered_files_on_localhost(server, saved):
+    assert server.host == "127.0.0.1" and server.port > 0 and server.running
+    name = server.add(str(saved))
+    assert server.add(str(saved)) == name  # registered once
+    base = f"http://127.0.0.1:{server.port}/"
+    data = f"data/{server.key}/"
+    status, body = _get(base + data + name)
+    assert status == 200 and body == saved.read_bytes()
+    status, page = _get(server.local_url(name))
+    assert status == 200 and f'content="{data}{name}"'.encode() in page
+    # Without the key, a file next to it, netron's own Python files, traversal, unknown files: 404.
+    for path in ("data/" + name, f"data/wrong/{name}", f"?file={name}", f"?file={name}&key=wrong",
+                 data + "secret.txt", data + "../secret.txt", data + "%2e%2e/secret.txt", "server.py",
+                 "__init__.py", "..%2Fserver.py", f"?file=secret.txt&key={server.key}", data + str(saved)):
+        assert _get(base + path)[0] == 404, path
+    assert _get(base + "index.js")[0] == 200  # netron's static files are served
+    server.remove(name)
+    assert _get(base + data + name)[0] == 404
+
+
+def test_page_handles_consent_update_and_analytics_offline(server, saved):
+    name = server.add(str(saved))
+    status, body = _get(server.local_url(name, node="node_add"))
+    page = body.decode()
+    assert status == 200
+    # The model URL is relative (works behind jupyter-server-proxy) and names the file.
+    assert f'<meta name="file" content="data/{server.key}/{name}">' in page
+    # Build date = today: netron's 180-day "Please update" dialog never shows.
+    date = re.search(r'<meta name="date" content="([^"]+)">', page).group(1)
+    age = datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None) - datetime.datetime.fromisoformat(date)
+    assert abs(age.total_seconds()) < 120
+    # No request can leave the page (analytics, ipinfo.io), and our settings script loads first.
+    csp = re.search(r'http-equiv="Content-Security-Policy" content="([^"]+)"', page).group(1)
+    assert "connect-src 'self'" in csp and "script-src 'self'" in csp
+    assert page.index(SETTINGS_SCRIPT) < page.index('src="index.js"')
+    status, settings = _get(f"http://127.0.0.1:{server.port}/{SETTINGS_SCRIPT}")
+    assert status == 200 and b"consent=" in settings and b"sendBeacon" in settings and b"node" in settings
+    # browser.js: the start-up age, consent and telemetry checks are gone.
+    status, js = _get(f"http://127.0.0.1:{server.port}/browser.js")
+    assert status == 200
+    for check in (b"await age();", b"await consent();", b"await telemetry();"):
+        assert check not in js
+    assert js.count(b"ortlab: no") == 3
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run netron's browser.js")
+def test_netron_host_starts_without_dialog_or_network(server, tmp_path):
+    """Run the served browser.js in node with a stub DOM: no dialog, no fetch, no analytics.
+
+    The build date given is from 2000 (far past the 180-day limit) and there is no cookie.
+    """
+    base = f"http://127.0.0.1:{server.port}/"
+    for name in ("browser.js", "base.js"):
+        (tmp_path / name).write_bytes(_get(base + name)[1])
+    (tmp_path / "package.json").write_text('{"type": "module"}')
+    (tmp_path / SETTINGS_SCRIPT).write_bytes(_get(base + SETTINGS_SCRIPT)[1])
+    (tmp_path / "run.mjs").write_text(r"""
+const calls = { message: 0, fetch: 0, telemetry: 0, beacon: 0 };
+const element = () => ({ getAttribute: () => 'https://github.com/lutzroeder/netron', href: '',
+  addEventListener() {}, setAttribute() {}, style: {}, innerText: '' });
+const metas = [['version', '9.3.3'], ['date', '2000-01-01 00:00:00']].map(([name, content]) => ({ name, content }));
+globalThis.window = {
+  navigator: { platform: 'Linux', userAgent: 'Chrome/120', sendBeacon: () => { calls.beacon++; return true; } },
+  document: { title: 'Netron', cookie: '', getElementsByTagName: () => metas, getElementById: element,
+    documentElement: { style: { scrollBehavior: 'auto' } },
+    body: { classList: { remove() {}, add() {} }, getAttribute: () => '', setAttribute() {} } },
+  location: { hostname: '127.0.0.1', href: 'http://127.0.0.1/', search: '' },
+  addEventListener() {}, screen: { width: 1, height: 1 },
+};
+globalThis.document = window.document;
+const { Host } = await import('./browser.js');
+const host = new Host();
+host.message = async () => { calls.message++; };
+host._fetch = async () => { calls.fetch++; return '{}'; };
+const start = host._telemetry.start.bind(host._telemetry);
+host._telemetry.start = async (...a) => { calls.telemetry++; return start(...a); };
+await Promise.race([host.view({}), new Promise((_, no) => setTimeout(() => no(new Error('view() hangs')), 3000).unref())]);
+console.log(JSON.stringify(calls));
+""")
+    out = subprocess.run(["node", "run.mjs"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"message": 0, "fetch": 0, "telemetry": 0, "beacon": 0}
+    check = subprocess.run(["node", "--check", str(tmp_path / SETTINGS_SCRIPT)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+
+
+def test_server_stops_and_frees_the_port(saved):
+    server = NetronServer().start()
+    port = server.port
+    assert _get(f"http://127.0.0.1:{port}/")[0] == 200
+    server.stop()
+    assert not server.running
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    with NetronServer() as again:  # context manager: started, then stopped
+        assert again.running
+    assert not again.running
+
+
+def test_proxy_urls_for_jupyterhub(monkeypatch, server, saved):
+    monkeypatch.delenv("JUPYTERHUB_SERVICE_PREFIX", raising=False)
+    assert proxy_prefix(8123) is None and proxy_prefix(8123, True) == "/proxy/8123/"
+    assert proxy_prefix(8123, "https://hub.example/user/me/proxy/{port}") == "https://hub.example/user/me/proxy/8123/"
+    with pytest.raises(ConfigError, match="placeholder"):
+        proxy_prefix(8123, "/proxy/")
+    monkeypatch.setenv("JUPYTERHUB_SERVICE_PREFIX", "/user/me/")
+    assert proxy_prefix(8123) == "/user/me/proxy/8123/"
+    assert proxy_prefix(8123, False) is None
+    name = server.add(str(saved))
+    assert server.url(name).startswith(f"/user/me/proxy/{server.port}/?file=")
+    assert server.local_url(name).startswith(f"http://127.0.0.1:{server.port}/?file=")
+
+
+# --------------------------------------------------------------------------------- subgraphs
+def test_extract_module_subgraph():
+    model = _layered_model()
+    assert module_counts(model, depth=1) == {"blocks": 4, "head": 1}
+    assert module_counts(model, depth=2) == {"blocks.0": 2, "blocks.1": 2, "head": 1}
+    sub = extract_module(model, "blocks.1")
+    onnx.checker.check_model(sub)
+    assert [n.name for n in sub.graph.node] == ["node_relu_1", "node_add_1"]
+    assert [v.name for v in sub.graph.input] == ["a0"]  # read from outside
+    assert [t.name for t in sub.graph.initializer] == ["w1"]  # its weight stays a weight
+    assert [v.name for v in sub.graph.output] == ["a1"]  # read by the head
+    assert sub.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT  # typed by shape inference
+    # A prefix takes the children (blocks.0.act) but not blocks.0x or blocks.1.
+    assert [n.name for n in extract_module(model, "blocks.0").graph.node] == ["node_relu", "node_add"]
+    with pytest.raises(ConfigError, match="modules: 'blocks.0'"):
+        extract_module(model, "blocks.7")
+
+
+def test_resolve_node_by_onnx_fx_and_fused_names():
+    model = _layered_model()
+    assert resolve_node(model, "node_add") == "node_add"
+    assert resolve_node(model, "add_1") == "node_add_1"  # FX node name via ortlab.fx_node
+    assert resolve_node(model, "a0") == "a0"  # a value
+    assert resolve_node(model, "nothing") is None
+    # An onnxruntime-optimized model keeps no metadata but the fused node's name prefix.
+    optimized = onnx.ModelProto()
+    optimized.CopyFrom(model)
+    del optimized.graph.node[:]
+    optimized.graph.node.append(oh.make_node("Relu", ["a0"], ["r1"], name="node_relu_1/ReluFusion/"))
+    assert resolve_node(optimized, "relu_1", reference=model) == "node_relu_1/ReluFusion/"
+    # A view of it shows the node's source again (copied from the exported model).
+    (node,) = annotate(optimized, model).graph.node
+    props = {p.key: p.value for p in node.metadata_props}
+    assert props["ortlab.module"] == "blocks.1.act" and props["ortlab.source"] == "model.py:3 in forward"
+    assert annotate(model, model) is None  # nothing to add
+
+
+def test_large_graph_views_one_module(server, saved):
+    picker = view_file(str(saved), max_nodes=3, server=server)
+    assert isinstance(picker, ModulePicker) and picker.nodes == 5
+    assert "blocks.0" in picker._repr_html_() and "force=True" in picker._repr_html_()
+    # Asking for a node shows that node's module, saved under views/ and served.
+    view = view_file(str(saved), node="add_1", max_nodes=3, server=server)
+    assert isinstance(view, NetronView) and view.node == "node_add_1"
+    assert os.path.dirname(view.path) == str(saved.parent / "views") and view.path.endswith(".blocks.1.onnx")
+    assert [n.name for n in onnx.load(view.path).graph.node] == ["node_relu_1", "node_add_1"]
+    assert _get(server.local_url(view.name))[0] == 200
+    assert "module blocks.1" in view.info and f'name="{view.frame}"' in view._repr_html_()
+    # force shows everything; a module can be asked for directly.
+    assert len(onnx.load(view_file(str(saved), max_nodes=3, force=True, server=server).path).graph.node) == 5
+    head = view_file(str(saved), module="head", server=server)
+    assert [n.name for n in onnx.load(head.path).graph.node] == ["node_neg"]
+
+
+def test_default_server_is_shared_and_stoppable(saved):
+    s1 = netron_view.default_server()
+    try:
+        assert netron_view.default_server() is s1 and netron_view.running_default_server() is s1
+        name = s1.add(str(saved))
+        netron_view.forget_folder(str(saved.parent))
+        assert s1.path_of(name) is None
+    finally:
+        netron_view.stop_default_server()
+    assert netron_view.running_default_server() is None

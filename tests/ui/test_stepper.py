@@ -1,0 +1,122 @@
+"""The stepper's HTML and widget: stages render their tables; rows link to netron nodes."""
+
+from __future__ import annotations
+
+import html
+import re
+import urllib.parse
+import urllib.request
+
+import pytest
+import torch
+from torch import nn
+
+from ortlab.inspect.explore import explore
+from ortlab.inspect.stages import ActivationRow, FallbackRow, GraphBreak, OpDiff, Stage
+from ortlab.ui import netron_view
+from ortlab.ui.stepper import StepperWidget, lab_html, stage_html
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x))).sum()
+
+
+@pytest.fixture
+def no_server():
+    netron_view.stop_default_server()
+    yield
+    netron_view.stop_default_server()
+
+
+def _links(page: str) -> list[str]:
+    return [html.unescape(u) for u in re.findall(r"href='([^']+)'", page)]
+
+
+def test_stage_html_shows_counts_changes_and_tables(no_server):
+    stage = Stage(
+        "split", "Forward/backward split", "desc", status="done",
+        op_counts={"aten.mm": 3, "aten.t": 2}, graph_op_counts={"g0.forward": {"aten.mm": 1}},
+        diff=OpDiff.between({"aten.mm": 3, "aten.detach": 1}, {"aten.mm": 3, "aten.t": 2}), previous="joint",
+        seconds=0.0123, timings={"g0.forward (from file times)": 0.01},
+        graph_breaks=[GraphBreak("Call to <graph_break>", 2, "m.py:3 in forward", "long\ntext")],
+        activations=[ActivationRow("g0", "tanh", "aten.tanh", [4, 8], "float32", 128, "fc1", "m.py:4 in forward", False)],
+        fallbacks=[FallbackRow("op", "g0.forward", "random op", "drop", "aten.native_dropout", "drop", "m.py:5", ["drop"])],
+        summary={"saved": 1, "recomputed": 0, "saved_bytes": 128, "baseline_bytes": 128, "loss": 0.5},
+        notes=["g0: recompute='none'"],
+    )
+    page = stage_html(stage)
+    assert "Forward/backward split" in page and "done" in page and "12.3 ms" in page
+    assert "<code>aten.t</code>" in page and "+2" in page and "aten.detach" in page and "-1" in page
+    assert "Call to &lt;graph_break&gt;" in page and "<graph_break>" not in page  # escaped
+    assert "m.py:3 in forward" in page and "<details>" in page
+    assert "tanh" in page and "128 B" in page and "fc1" in page
+    assert "aten.native_dropout" in page and "random op" in page
+    assert "Timings" in page and "recompute=&#x27;none&#x27;" in page
+    assert not _links(page)  # no graph view running: no links, no server started
+    assert netron_view.running_default_server() is None
+    assert "Not run yet" in stage_html(Stage("joint", "Joint", "d"))
+
+
+@pytest.mark.filterwarnings("ignore::ortlab.errors.FallbackWarning")
+def test_rows_link_to_their_node_in_netron(tmp_path, no_server):
+    # tanh runs in PyTorch: its row links to the partition that reads its result.
+    lab = explore(Net(), torch.randn(4, 6), folder=str(tmp_path / "lab"), fallback_ops=["aten.tanh"])
+    lab.run()
+    exported, split = lab["exported"], lab["split"]
+    (fb,) = [f for f in exported.fallbacks if f.op == "aten.tanh"]
+    assert fb.where == "g0.forward" and fb.node in fb.values and len(fb.values) > 1
+    view = exported.view()  # opening a graph starts the server: tables now link
+    server = netron_view.running_default_server()
+    assert server is not None and view.server is server
+    frame = netron_view.frame_name(lab.folder)
+    assert f"name=\"{frame}\"" in view._repr_html_()
+    page = stage_html(split)
+    assert f"target='{frame}'" in page
+    act = next(a for a in split.activations if a.onnx_node)
+    wanted = [u for u in _links(page) if f"node={urllib.parse.quote(act.onnx_node)}" in u]
+    assert wanted, _links(page)
+    with urllib.request.urlopen(wanted[0].replace(server.url(), server.local_url()), timeout=10) as r:
+        assert r.status == 200 and b"data/" in r.read()
+    # The link opens the partition that reads the fallback's result, at that input.
+    import onnx
+
+    (link,) = [u for u in _links(stage_html(exported)) if "node=" in u]
+    query = urllib.parse.parse_qs(urllib.parse.urlparse(link).query)
+    (part,) = [rel for rel in exported.artifacts.values() if rel == query["file"][0]]
+    inputs = [v.name for v in onnx.load(str(tmp_path / "lab" / part)).graph.input]
+    assert query["node"][0] in fb.values and query["node"][0] in inputs
+    lab.close()
+
+
+def test_lab_html_and_widget_step_through(tmp_path, no_server):
+    lab = explore(Net(), torch.randn(4, 6), folder=str(tmp_path / "lab"))
+    page = lab_html(lab)
+    assert page.count("pending") == 9 and "lab.next()" in page
+    stepper = StepperWidget(lab)
+    stepper.next_button.click()
+    assert lab["captured"].status == "done" and "captured (done)" in stepper.stage.options[0][0]
+    assert "Captured graph" in stepper.body.value and list(stepper.graph.options) == ["g0"]
+    stepper.view_button.click()  # an FX stage shows its code
+    assert "GraphModule" in stepper.viewer.value
+    stepper.all_button.click()
+    assert lab.done and stepper.next_button.disabled
+    stepper.stage.value = "exported"
+    stepper.graph.value = "g0.backward"
+    stepper.view_button.click()
+    assert "<iframe" in stepper.viewer.value and "backward_exported" in stepper.viewer.value
+    assert "&rarr;" in lab_html(lab) and "no change" in lab_html(lab)
+    # onnxruntime's optimized models lose node metadata; their view gets the source back.
+    import onnx
+
+    view = lab["ort_all"].view("g0.forward")
+    modules = {p.value for n in onnx.load(view.path).graph.node for p in n.metadata_props if p.key == "ortlab.module"}
+    assert {"fc1", "fc2"} & modules and "/views/" in view.path
+    assert lab._repr_html_().count("done") >= 9
+    assert lab["step"]._repr_html_().count("First training step") == 1
+    lab.close()
