@@ -28,6 +28,11 @@ __all__ = ["RecomputeToggles", "FallbackToggles", "ApplyResult", "OpRow"]
 PRESETS = ("none", "auto", "layerwise")
 
 
+def _LABELLED(w: Any) -> dict[str, Any]:  # noqa: N802 - reads as a constant at the call sites
+    """Checkbox settings that show the whole description (ipywidgets clips it by default)."""
+    return {"layout": w.Layout(width="auto"), "style": {"description_width": "initial"}}
+
+
 @dataclasses.dataclass
 class ApplyResult:
     """What applying a new choice changed."""
@@ -159,10 +164,10 @@ class RecomputeToggles:
         boxes: dict[str, Any] = {}
         rows = []
         for a in self.plan.activations:
-            box = w.Checkbox(value=a.recomputed, indent=False, layout=w.Layout(width="2em"))
+            label = f"{a.name}  {a.op}  {'x'.join(map(str, a.shape))}  {a.dtype}  {a.bytes:,} B  {a.module or '-'}"
+            box = w.Checkbox(value=a.recomputed, description=label, indent=False, **_LABELLED(w))
             boxes[a.name] = box
-            label = f"<code>{html.escape(a.name)}</code> {html.escape(a.op)} {'x'.join(map(str, a.shape))} {a.dtype} {a.bytes:,} B <i>{html.escape(a.module or '-')}</i>"
-            rows.append(w.HBox([box, w.HTML(label)]))
+            rows.append(w.HBox([box]))
         status = w.HTML(self._summary())
         apply = w.Button(description="Apply", button_style="primary")
 
@@ -185,7 +190,7 @@ class RecomputeToggles:
         for name, box in boxes.items():
             box.observe(on_box(name), names="value")
         apply.on_click(on_apply)
-        table = w.VBox(rows, layout=w.Layout(max_height="320px", overflow="auto"))
+        table = w.VBox(rows, layout=w.Layout(max_height="320px", overflow="auto", display="block"))
         return w.VBox([w.HTML("<b>Saved activations</b> (checked = recomputed in the backward)"), presets, table, apply, status])
 
     def _summary(self) -> str:
@@ -263,17 +268,17 @@ class FallbackToggles:
         import ipywidgets as w
 
         status = w.HTML()
-        grid = w.VBox(layout=w.Layout(max_height="360px", overflow="auto"))
+        grid = w.VBox(layout=w.Layout(max_height="360px", overflow="auto", display="block"))
 
         def render() -> None:
             items = []
             for row in self.rows():
                 pending = f"{row.op}@{row.module}" in self.pending or row.op in self.pending
-                box = w.Checkbox(value=pending, indent=False, layout=w.Layout(width="2em"))
+                label = f"{row.op} x{row.count} in {row.module or '<root>'}"
+                box = w.Checkbox(value=pending, description=label, indent=False, **_LABELLED(w))
                 box.observe(lambda ch, r=row: self.send(r.op, r.module or None, ch["new"]), names="value")
                 color = "#b00" if row.where == "PyTorch" else "#070"
-                text = (f"<code>{html.escape(row.op)}</code> x{row.count} in <i>{html.escape(row.module or '<root>')}</i>: "
-                        f"<span style='color:{color}'>{row.where}</span> {html.escape(row.reason)}")
+                text = f"<span style='color:{color}'>{row.where}</span> {html.escape(row.reason)}"
                 items.append(w.HBox([box, w.HTML(text)]))
             grid.children = items
             status.value = f"fallback_ops = <code>{html.escape(repr(self.pending))}</code>"
