@@ -30,7 +30,7 @@ from ortlab.partition.recompute import partition_joint
 from ortlab.report import CaptureRecord, Fallback, Report, warn_fallback
 from ortlab.runtime.graph import GraphContext, compile_graph
 
-__all__ = ["OrtlabBackend"]
+__all__ = ["OrtlabBackend", "torch_op_counts"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +61,14 @@ def _device_of(example_inputs: Sequence[object]) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-def _torch_op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+def torch_op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
+    """Ops of a Dynamo graph (torch level), most frequent first."""
     counts: dict[str, int] = {}
     for node in gm.graph.nodes:
         if node.op in ("call_function", "call_method", "call_module"):
             key = op_name(node) if node.op == "call_function" else f"{node.op}:{node.target}"
             counts[key] = counts.get(key, 0) + 1
-    return counts
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 class OrtlabBackend:
@@ -89,7 +90,7 @@ class OrtlabBackend:
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
         )
         mode = "train" if needs_grad else "eval"
-        capture = CaptureRecord(index=index, mode=mode, fx_ops=_torch_op_counts(gm))
+        capture = CaptureRecord(index=index, mode=mode, fx_ops=torch_op_counts(gm))
         writer = StageWriter(self.debug, index)
         capture.files = writer.written
         _rewrite_sdpa(gm)

@@ -38,7 +38,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo.utils import counters
 
 from ortlab.artifacts import StageWriter
-from ortlab.capture.backend import OrtlabBackend
+from ortlab.capture.backend import OrtlabBackend, torch_op_counts
 from ortlab.capture.provenance import op_name
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import OrtlabError, UnsupportedInputError, first_line
@@ -90,16 +90,6 @@ def default_loss(output: Any) -> torch.Tensor | None:
     return total
 
 
-def _torch_op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
-    """Ops of a Dynamo graph, named as ``CaptureRecord.fx_ops`` names them."""
-    counts: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module"):
-            key = op_name(node) if node.op == "call_function" else f"{node.op}:{node.target}"
-            counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
-
-
 def _location(user_stack: Sequence[Any] | None) -> str:
     if not user_stack:
         return ""
@@ -113,7 +103,7 @@ class _Graph:
     def __init__(self, index: int, gm: torch.fx.GraphModule, example_inputs: list, grad: bool, mode: str) -> None:
         self.index, self.gm, self.example_inputs, self.grad, self.mode = index, gm, example_inputs, grad, mode
         self.reason = getattr(gm, "compile_subgraph_reason", None)
-        self.op_counts = _torch_op_counts(gm)
+        self.op_counts = torch_op_counts(gm)
         self.compiled: Callable | None = None
 
     def __call__(self, *args: Any) -> Any:
