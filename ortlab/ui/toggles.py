@@ -81,9 +81,9 @@ class _Measured:
             self.step()
 
     def timed(self) -> float:
-        """Median of three steps (after the engine has captured)."""
+        """Median of five steps (after the engine has captured)."""
         self.ensure_captured()
-        return sorted(self.step() for _ in range(3))[1]
+        return sorted(self.step() for _ in range(5))[2]
 
 
 def _as_loss(out: object) -> torch.Tensor:
