@@ -38,7 +38,7 @@ from ortlab.capture.provenance import module_path, op_name, source_line
 from ortlab.errors import ExportError, first_line
 from ortlab.onnx.translations import is_single_index_accumulate
 
-__all__ = ["ExportedGraph", "export_graph", "unsupported_nodes", "get_registry", "value_kind"]
+__all__ = ["ExportedGraph", "bypass_output_identities", "export_graph", "unsupported_nodes", "get_registry", "value_kind"]
 
 logger = logging.getLogger(__name__)
 
@@ -170,6 +170,35 @@ def _output_nodes(gm: torch.fx.GraphModule) -> list:
     return list(args) if isinstance(args, (list, tuple)) else [args]
 
 
+def bypass_output_identities(model: ir.Model) -> int:
+    """Return an Identity's input instead of its copy when the Identity only feeds an output.
+
+    ``aten.detach``/``alias`` become Identity nodes; when their result is saved for the
+    backward (a graph output), onnxruntime copies the whole tensor every step (a
+    forward log-softmax: ~1 ms a step). An output may be any value a node produces, so
+    we output the Identity's input and drop the copy. Returns how many were bypassed.
+    """
+    graph = model.graph
+    outputs = list(graph.outputs)
+    in_outputs = {id(v) for v in outputs}
+    graph_inputs = {id(v) for v in graph.inputs}
+    bypassed = 0
+    for i, value in enumerate(outputs):
+        node = value.producer()
+        if node is None or node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+            continue
+        source = node.inputs[0]
+        if (source is None or id(source) in in_outputs or id(source) in graph_inputs or source.producer() is None
+                or len(value.uses()) > 0):
+            continue
+        source.shape = value.shape if source.shape is None else source.shape
+        graph.outputs[i] = source
+        in_outputs.add(id(source))
+        graph.remove(node, safe=False)
+        bypassed += 1
+    return bypassed
+
+
 def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
     """Translate ``gm`` to ONNX.
 
@@ -240,6 +269,11 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
         value = values[out.name]
         if isinstance(value, (list, tuple)):
             raise ExportError(f"graph {name!r} output {out.name} is a sequence; expected one value")
+        # detach/alias become Identity copies: return what they alias instead (the
+        # saved log-softmax and its detach are then one tensor, as in eager).
+        while (producer := value.producer()) is not None and producer.op_type == "Identity" \
+                and producer.domain in ("", "ai.onnx") and producer.inputs[0] is not None:
+            value = producer.inputs[0]
         # Inputs returned as they are (AOTAutograd saves parameters for the backward
         # this way) and repeated outputs never cross into onnxruntime: an Identity
         # would copy the whole tensor on every step.
@@ -280,6 +314,7 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
             node.metadata_props["ortlab.op"] = op_name(fx_node)
             node.metadata_props["ortlab.module"] = module_path(fx_node)
             node.metadata_props["ortlab.source"] = source_line(fx_node)
+    bypass_output_identities(model)
     _ir_passes.add_opset_imports(model)
     # onnxruntime 1.31 reads IR version <= 13 while torch's exporter targets newer ones.
     model.ir_version = min(model.ir_version, 10)
