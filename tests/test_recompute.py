@@ -60,7 +60,9 @@ def test_plan_table_lists_activations_with_provenance(gpt_and_batch):
     table = plan.table()
     assert table.splitlines()[0].split() == ["name", "op", "shape", "dtype", "bytes", "module", "recomputed"]
     row = next(a for a in plan.activations if a.op == "aten.gelu")
-    assert row.shape == (4 * 16, 128) and row.dtype == "float32" and row.bytes == 4 * 16 * 128 * 4
+    # The gelu itself is saved, not the 2-D view the next Linear reads (the backward
+    # re-applies the view).
+    assert row.shape == (4, 16, 128) and row.dtype == "float32" and row.bytes == 4 * 16 * 128 * 4
     assert row.module.startswith("blocks.") and "models.py" in row.source
     assert row.recomputed and row.reason.startswith("layerwise: inside layer blocks.")
     # Parameters (and their transposes) are not activations.
@@ -74,3 +76,22 @@ def test_recompute_from_environment(monkeypatch, gpt_and_batch):
     assert opts.recompute == "layerwise" and "ORTLAB_RECOMPUTE" in opts.from_env
     monkeypatch.setenv("ORTLAB_RECOMPUTE", "gelu_1,op:aten.mm")
     assert ortlab.Options().recompute == ("gelu_1", "op:aten.mm")
+
+
+def test_forward_hands_the_backward_bases_not_views(gpt_and_batch):
+    """A saved view would be a Reshape/Transpose copy in onnxruntime: the backward rebuilds it."""
+    from ortlab.capture.provenance import op_name
+    from ortlab.partition.recompute import _REBUILT_VIEWS
+
+    model, batch = gpt_and_batch
+    om, loss, grads = run(model, batch, recompute="none")
+    forward = next(g for g in om.report.captures[0].graphs if g.name == "forward").graph_module
+    out = next(n for n in forward.graph.nodes if n.op == "output")
+    outputs = [n for n in out.args[0] if isinstance(n, torch.fx.Node)]
+    assert outputs and not [n.name for n in outputs if op_name(n) in _REBUILT_VIEWS]
+    ref = copy.deepcopy(model)
+    ref_loss = ref(*batch)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=RTOL, atol=ATOL)

@@ -201,6 +201,28 @@ def _tag_selected(joint: torch.fx.GraphModule, num_fwd_outputs: int, selectors: 
     return reasons
 
 
+# In PyTorch a saved view shares its base's storage; in onnxruntime a view op (Reshape,
+# Transpose) that is a graph output is a copy, and a Transpose kept for the backward
+# cannot fold into the Gemm/MatMul that uses it (transA/transB). So the forward hands
+# the backward the view's base, and the backward re-applies the view, where onnxruntime
+# fuses it into its consumer. Same bytes saved, fewer copies.
+_REBUILT_VIEWS = _VIEW_OPS - {"aten.clone"}
+
+
+def _tag_saved_views(joint: torch.fx.GraphModule, saved: Sequence[str]) -> bool:
+    """Tag saved views (and views of views) to be rebuilt in the backward; True if any."""
+    nodes = {n.name: n for n in joint.graph.nodes}
+    tagged = False
+    for name in saved:
+        node = nodes.get(name)
+        while node is not None and op_name(node) in _REBUILT_VIEWS and node.meta.get("recompute") is None:
+            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            tagged = True
+            base = node.args[0] if node.args else None
+            node = base if isinstance(base, torch.fx.Node) and base.op != "placeholder" else None
+    return tagged
+
+
 def _save_recompute_inputs(joint: torch.fx.GraphModule) -> None:
     """A recomputed node's untagged inputs must be saved, or the backward cannot rebuild it.
 
@@ -234,7 +256,13 @@ def partition_joint(
     saved and recomputed.
     """
     nodes = {n.name: n for n in joint.graph.nodes}
-    base_fw, base_bw = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    # The baseline ("none") already hands the backward views' bases instead of the views.
+    plain_fw, _ = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    if _tag_saved_views(joint, _saved_nodes(plain_fw, num_fwd_outputs)):
+        _save_recompute_inputs(joint)
+        base_fw, base_bw = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+    else:
+        base_fw, base_bw = plain_fw, _
     baseline = _saved_nodes(base_fw, num_fwd_outputs)
     reasons: dict[str, str] = {}
     if policy == "none":
