@@ -30,6 +30,7 @@ from ortlab.capture.backend import OrtlabBackend
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import CaptureError, DeviceError, FallbackError, OrtlabError, UnsupportedInputError
 from ortlab.report import Fallback, Report, warn_fallback
+from ortlab.runtime.observe import GraphObserver
 
 __all__ = ["ORTModule", "configure_torch"]
 
@@ -42,6 +43,8 @@ _OWN = (
     "_ortlab_report",
     "_ortlab_compiled",
     "_ortlab_calls",
+    "_ortlab_backend",
+    "_ortlab_observer",
 )
 # Note [Process-wide torch settings]
 # Dynamo reads these when it compiles, which can happen on any call; patching them
@@ -150,6 +153,7 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_ortlab_module", module)
         object.__setattr__(self, "_ortlab_options", opts)
         object.__setattr__(self, "_ortlab_debug", debug)
+        object.__setattr__(self, "_ortlab_observer", None)
         # See Note [Sharing the wrapped module's dicts].
         object.__setattr__(self, "_parameters", module._parameters)
         object.__setattr__(self, "_buffers", module._buffers)
@@ -163,7 +167,7 @@ class ORTModule(nn.Module):
     # ----------------------------------------------------------------- engine state
     def _ortlab_reset(self) -> None:
         report = Report()
-        backend = OrtlabBackend(self._ortlab_options, self._ortlab_debug, report)
+        backend = OrtlabBackend(self._ortlab_options, self._ortlab_debug, report, self._ortlab_observer)
         compiled = torch.compile(
             self._ortlab_module,
             backend=backend,
@@ -172,6 +176,7 @@ class ORTModule(nn.Module):
             **_ISOLATED,
         )
         object.__setattr__(self, "_ortlab_report", report)
+        object.__setattr__(self, "_ortlab_backend", backend)
         object.__setattr__(self, "_ortlab_compiled", compiled)
         object.__setattr__(self, "_ortlab_calls", 0)
 
@@ -193,6 +198,26 @@ class ORTModule(nn.Module):
         current.update(options)
         object.__setattr__(self, "_ortlab_options", Options.from_kwargs(current))
         self._ortlab_reset()
+
+    def set_observer(self, observer: GraphObserver | None) -> GraphObserver | None:
+        """Report the calls of graphs compiled from now on to ``observer``; returns the previous one.
+
+        For inspection tools (``ortlab.inspect.compare`` records what each graph and
+        onnxruntime session receives). Graphs already compiled keep the observer they
+        were compiled with (none, usually): set it before the first call, or call
+        :meth:`reconfigure` after. ``None`` stops observing new graphs. Graphs compiled
+        without an observer carry no hook at all (see Note [Observing compiled graphs]
+        in ``ortlab.runtime.observe``).
+
+        Example:
+            >>> om = ORTModule(model)                      # doctest: +SKIP
+            >>> om.set_observer(recorder)                  # doctest: +SKIP
+            >>> om(x).sum().backward()                     # doctest: +SKIP
+        """
+        previous = self._ortlab_observer
+        object.__setattr__(self, "_ortlab_observer", observer)
+        self._ortlab_backend.observer = observer
+        return previous
 
     @property
     def module(self) -> nn.Module:
@@ -240,12 +265,14 @@ class ORTModule(nn.Module):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_ortlab_report", "_ortlab_compiled"):
+        for key in ("_ortlab_report", "_ortlab_compiled", "_ortlab_backend"):
             state.pop(key, None)
+        state["_ortlab_observer"] = None  # a tool's hook, not part of the model
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_ortlab_observer", None)
         configure_torch()
         self._ortlab_reset()
 

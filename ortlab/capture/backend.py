@@ -29,6 +29,7 @@ from ortlab.errors import CaptureError, DeviceError, FallbackError, first_line
 from ortlab.partition.recompute import partition_joint
 from ortlab.report import CaptureRecord, Fallback, Report, warn_fallback
 from ortlab.runtime.graph import GraphContext, compile_graph
+from ortlab.runtime.observe import GraphObserver
 
 __all__ = ["OrtlabBackend", "torch_op_counts"]
 
@@ -75,13 +76,17 @@ class OrtlabBackend:
     """A torch.compile backend that runs captured graphs in onnxruntime.
 
     One instance per ORTModule; it appends a ``CaptureRecord`` to ``report`` for
-    every graph Dynamo hands it.
+    every graph Dynamo hands it. Graphs captured while ``observer`` is set report
+    their calls to it (see Note [Observing compiled graphs]).
     """
 
-    def __init__(self, options: Options, debug: DebugOptions, report: Report) -> None:
+    def __init__(
+        self, options: Options, debug: DebugOptions, report: Report, observer: GraphObserver | None = None
+    ) -> None:
         self.options = options
         self.debug = debug
         self.report = report
+        self.observer = observer
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable:
         start = time.perf_counter()
@@ -95,7 +100,7 @@ class OrtlabBackend:
         capture.files = writer.written
         _rewrite_sdpa(gm)
         writer.fx("captured", mode, gm)
-        ctx = GraphContext(self.options, self.debug, _device_of(example_inputs), writer, f"g{index}")
+        ctx = GraphContext(self.options, self.debug, _device_of(example_inputs), writer, f"g{index}", self.observer)
 
         def compiler(name: str, graph_mode: str) -> Callable:
             def compile_(fx: torch.fx.GraphModule, _inputs: Sequence[object]) -> Callable:

@@ -22,27 +22,25 @@ and the same SessionOptions with profiling switched on (1.5 ms for a tiny MLP, 1
 for a 2-layer GPT: the model is already optimized and weights are inputs, not
 initializers), swaps it into the ``OrtRunner`` for a few steps, then swaps the
 original back and ends the twin's profile. Outside the windows training runs on
-the original, unprofiled sessions. The twin's ``profile_file_prefix`` is unique:
-onnxruntime names the file ``{prefix}_{date}_{time}_{ms}.json``, and twins are
-built less than a millisecond apart: with one prefix, two of them wrote the same
-file (seen while building this).
+the original, unprofiled sessions. The runtime provides both halves:
+``ortlab.runtime.profiling.profiling_twin`` builds the twin from what the runner
+keeps (``runner.session_source``), with a profile file prefix of its own (see Note
+[Unique profile prefixes] there), and ``runner.swap_session`` swaps it in and out.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import json
 import logging
 import os
 import tempfile
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import onnxruntime as ort
+from ortlab.errors import OrtlabError, first_line
 
 __all__ = [
     "NodeTime",
@@ -63,7 +61,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _KERNEL_SUFFIX = "_kernel_time"
-_TWIN_COUNTER = itertools.count()
 UNKNOWN_MODULE = "<unknown>"
 ROOT_MODULE = "<root>"
 
@@ -379,24 +376,25 @@ _PROVENANCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _provenance_of(runner: Any, exported: Any) -> dict[str, dict[str, str]]:
     """Provenance of a runner's model, computed once per runner.
 
-    A part loaded from the on-disk cache has no ExportedGraph: read the model bytes
-    the session was built from (onnxruntime keeps node metadata in optimized models).
+    A part loaded from the on-disk cache has no ExportedGraph: read the model the
+    session was built from (onnxruntime keeps node metadata in optimized models).
     """
     cached = _PROVENANCE.get(runner)
     if cached is not None:
         return cached
     prov: dict[str, dict[str, str]] = {}
+    source = getattr(runner, "session_source", None)
     if exported is not None:
         prov = node_provenance(exported.model)
-    else:
-        data = getattr(runner.session, "_model_bytes", None)
-        if data is not None:
-            try:
-                import onnx
+    elif source is not None:
+        try:
+            import onnx
 
-                prov = node_provenance(onnx.load_from_string(data))
-            except Exception as e:  # a model we cannot read only loses the module column
-                logger.debug("could not read the model of a cached session: %s", e)
+            model = source.model
+            proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(model, load_external_data=False)
+            prov = node_provenance(proto)
+        except Exception as e:  # a model we cannot read only loses the module column
+            logger.debug("could not read the model of a cached session: %s", e)
     try:
         _PROVENANCE[runner] = prov
     except TypeError:  # not weak-referenceable
@@ -445,31 +443,6 @@ def _remove(path: str) -> None:
         pass
 
 
-def _twin_session(session: ort.InferenceSession, prefix: str) -> ort.InferenceSession:
-    """A session running the same model with the same options, profiling on.
-
-    See Note [Sampling the profiler in windows].
-    """
-    import onnxruntime as ort
-
-    so = session._sess_options
-    model = session._model_bytes if session._model_bytes is not None else session._model_path
-    if so is None or model is None:
-        raise RuntimeError("the session keeps neither its options nor its model")
-    saved = (so.enable_profiling, so.profile_file_prefix, so.optimized_model_filepath)
-    so.enable_profiling = True
-    so.profile_file_prefix = prefix
-    so.optimized_model_filepath = ""  # do not write the optimized model (or the cache entry) again
-    providers = session.get_providers()
-    options = session.get_provider_options()
-    try:
-        return ort.InferenceSession(
-            model, sess_options=so, providers=providers, provider_options=[options.get(p, {}) for p in providers]
-        )
-    finally:
-        so.enable_profiling, so.profile_file_prefix, so.optimized_model_filepath = saved
-
-
 class ProfileWindow:
     """Profile an ORTModule's kernels for a few steps, then run unprofiled again.
 
@@ -505,18 +478,17 @@ class ProfileWindow:
 
     def start(self) -> int:
         """Swap profiling twins in; returns how many sessions are profiled."""
+        from ortlab.runtime.profiling import profiling_twin  # onnxruntime, only once a window opens
+
         if self._active:
             return len(self._active)
-        pid = os.getpid()
         for graph, runner, exported in _graph_parts(self.ortmodule):
-            prefix = os.path.join(self.folder, f"ortlab_profile_{pid}_{next(_TWIN_COUNTER)}")
             try:
-                twin = _twin_session(runner.session, prefix)
-            except Exception as e:  # onnxruntime internals moved: no kernel panels, training unaffected
-                logger.warning("ortlab: could not build a profiling session for %s: %s", graph, e)
+                twin = profiling_twin(runner, graph, self.folder)
+                original = runner.swap_session(twin)
+            except OrtlabError as e:  # no kernel panels for this session; training is unaffected
+                logger.warning("ortlab: could not profile %s: %s", graph, first_line(e))
                 continue
-            original = runner.session
-            runner.session, runner._sess = twin, twin._sess
             self._active.append((graph, runner, exported, original, twin))
         return len(self._active)
 
@@ -527,7 +499,7 @@ class ProfileWindow:
         active, self._active = self._active, []
         for graph, runner, exported, original, twin in active:
             if runner.session is twin:
-                runner.session, runner._sess = original, original._sess
+                runner.swap_session(original)
             path = twin.end_profiling()
             if not path or not os.path.exists(path):
                 continue

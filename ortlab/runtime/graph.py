@@ -33,7 +33,8 @@ from ortlab.onnx.optimize import optimize_exported
 from ortlab.report import Fallback, GraphRecord, warn_fallback
 from ortlab.runtime.cache import CacheEntry, cache_key, load_entry, store_meta
 from ortlab.runtime.kernels import low_precision_nodes, missing_kernels
-from ortlab.runtime.runner import OrtRunner
+from ortlab.runtime.observe import GraphObserver, observed_graph, observed_part
+from ortlab.runtime.runner import OrtRunner, SessionSource
 from ortlab.runtime.session import SMALL_GRAPH_FLOPS, choose_threads, create_session, failing_node, providers_for, save_optimized_models
 
 __all__ = ["GraphContext", "compile_graph", "fx_op_counts"]
@@ -53,6 +54,7 @@ class GraphContext:
     device: torch.device
     writer: StageWriter
     where: str  # "g0"
+    observer: GraphObserver | None = None  # see Note [Observing compiled graphs]
 
 
 def fx_op_counts(gm: torch.fx.GraphModule) -> dict[str, int]:
@@ -137,7 +139,7 @@ class _Support(OperatorSupportBase):
 class _OrtPart(torch.nn.Module):
     """A fused partition replaced by its onnxruntime session."""
 
-    def __init__(self, runner: OrtRunner, single: bool) -> None:
+    def __init__(self, runner: Callable[..., list], single: bool) -> None:
         super().__init__()
         self.runner = runner
         self.single = single
@@ -214,9 +216,15 @@ class _Builder:
             exported.output_dtypes,
             exported.output_sources,
             self.ctx.device,
+            SessionSource.of(session, data),
         )
         self.record.parts.append((runner, exported))
         return runner
+
+    def part_callable(self, runner: OrtRunner) -> Callable[..., list]:
+        """What the graph calls: ``runner``, or with an observer, ``runner`` telling it of each call."""
+        observer = self.ctx.observer
+        return runner if observer is None else observed_part(runner, self.record, observer)
 
     def _count(self, op_counts: dict[str, int]) -> None:
         for op, count in op_counts.items():
@@ -243,7 +251,7 @@ class _Builder:
         self._count(dict(collections.Counter(n.op_type for n in model.graph.node).most_common()))
         runner = OrtRunner(
             session, meta["input_kinds"], meta["output_kinds"], meta["output_dtypes"], meta["output_sources"],
-            self.ctx.device,
+            self.ctx.device, SessionSource.of(session, data),
         )
         self.record.parts.append((runner, None))
         return runner
@@ -292,9 +300,19 @@ def _culprits(e: Exception) -> dict[str, str]:
 def compile_graph(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphContext) -> tuple[Callable, GraphRecord]:
     """Compile ``gm`` for AOTAutograd: a boxed callable and the record of what was done.
 
+    With ``ctx.observer`` set, the callable and each onnxruntime session in it tell the
+    observer of every call (see Note [Observing compiled graphs]).
+
     Raises:
         FallbackError: when ``fallback="raise"`` and anything would run in PyTorch.
     """
+    fn, record = _compile(gm, name, mode, ctx)
+    if ctx.observer is not None:
+        fn = observed_graph(fn, record, ctx.where, ctx.observer)
+    return fn, record
+
+
+def _compile(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphContext) -> tuple[Callable, GraphRecord]:
     record = GraphRecord(name=name, mode=mode, fx_ops=fx_op_counts(gm), graph_module=gm)
     ctx.writer.fx(name, mode, gm)
     nodes = {n.name: n for n in gm.graph.nodes}
@@ -359,8 +377,7 @@ def _build(gm: torch.fx.GraphModule, blocked: dict[str, str], builder: _Builder)
     # place: work on a copy so a retry starts from the graph AOTAutograd gave us.
     gm = _copy(gm)
     if not blocked:
-        runner = builder.runner(gm, "")
-        return _boxed_runner(runner)
+        return _boxed_runner(builder.part_callable(builder.runner(gm, "")))
     partitioner = CapabilityBasedPartitioner(gm, _Support(blocked), allows_single_node_partition=True)
     partitions = partitioner.propose_partitions()
     # Partitions of only getitems/size arithmetic are not worth a session.
@@ -375,7 +392,7 @@ def _build(gm: torch.fx.GraphModule, blocked: dict[str, str], builder: _Builder)
                 out.args = ((out.args[0],),)
                 sub.recompile()
             runner = builder.runner(sub, node.target)
-            setattr(fused, node.target, _OrtPart(runner, single))
+            setattr(fused, node.target, _OrtPart(builder.part_callable(runner), single))
     fused.recompile()
     return _boxed(fused.forward)
 
@@ -384,7 +401,7 @@ def _worth_running(node: torch.fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def _boxed_runner(runner: OrtRunner) -> Callable:
+def _boxed_runner(runner: Callable[..., list]) -> Callable:
     def run(args: list) -> list:
         out = runner(*args)
         args.clear()  # boxed convention: release inputs as soon as onnxruntime is done

@@ -6,9 +6,17 @@ copy) and outputs, allocated by onnxruntime, are handed to torch through DLPack
 (``OrtValueVector.to_dlpacks``), which takes ownership without a copy. Parameters
 are inputs like any other, so no parameter is ever copied per step.
 Non-contiguous inputs are made contiguous first (onnxruntime needs dense tensors).
+
+A runner also keeps what its session was built from (:class:`SessionSource`), so
+inspection tools can build a session like it (a profiling twin, see
+``ortlab.runtime.profiling``) and swap it in between calls with
+:meth:`OrtRunner.swap_session`, without reaching into onnxruntime's private attributes.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -17,7 +25,7 @@ from onnxruntime.capi import _pybind_state as C
 
 from ortlab.errors import SessionError
 
-__all__ = ["OrtRunner", "ort_device"]
+__all__ = ["OrtRunner", "SessionSource", "ort_device"]
 
 _NP_DTYPES = {
     torch.float32: np.dtype(np.float32),
@@ -41,6 +49,36 @@ def ort_device(device: torch.device) -> C.OrtDevice:
     return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class SessionSource:
+    """What a session was built from: enough to build another one like it.
+
+    Attributes:
+        model: the serialized model the session loaded (the bytes object the session
+            already holds, not a copy), or the path it was loaded from.
+        sess_options: the ``SessionOptions`` the session was created with.
+        providers: its execution providers, in order of precedence.
+        provider_options: one options dict per provider.
+
+    Example:
+        >>> source = SessionSource.of(session, model_bytes)      # doctest: +SKIP
+        >>> source.providers                                      # doctest: +SKIP
+        ['CPUExecutionProvider']
+    """
+
+    model: bytes | str
+    sess_options: ort.SessionOptions = dataclasses.field(repr=False)
+    providers: list[str]
+    provider_options: list[dict[str, Any]]
+
+    @classmethod
+    def of(cls, session: ort.InferenceSession, model: bytes | str) -> SessionSource:
+        """The source of ``session``, built from ``model``; the rest is read from the session."""
+        providers = session.get_providers()
+        options = session.get_provider_options()
+        return cls(model, session.get_session_options(), providers, [dict(options.get(p, {})) for p in providers])
+
+
 class OrtRunner:
     """Calls an InferenceSession with torch values and returns torch values.
 
@@ -51,6 +89,8 @@ class OrtRunner:
         output_sources: per output, ``None`` (next onnxruntime output), ``("input", i)``
             or ``("output", j)``: see ``ExportedGraph.output_sources``.
         device: where inputs live and outputs are allocated.
+        session_source: what the session was built from, for tools that build a
+            session like it (``None``: such tools skip this runner).
     """
 
     def __init__(
@@ -61,8 +101,10 @@ class OrtRunner:
         output_dtypes: list[torch.dtype | None],
         output_sources: list[tuple[str, int] | None],
         device: torch.device,
+        session_source: SessionSource | None = None,
     ) -> None:
         self.session = session
+        self.session_source = session_source
         self._sess = session._sess
         self.input_names = [i.name for i in session.get_inputs()]
         self.output_names = [o.name for o in session.get_outputs()]
@@ -80,6 +122,35 @@ class OrtRunner:
                 f"session has {len(self.input_names)} inputs but the graph has {len(input_kinds)}; "
                 "onnxruntime dropped or added inputs (this is a bug in ortlab)"
             )
+
+    def swap_session(self, session: ort.InferenceSession) -> ort.InferenceSession:
+        """Run ``session`` from the next call on; returns the session it replaces.
+
+        ``session`` must have the same inputs and outputs, in the same order (a twin
+        built from :attr:`session_source`). Swap between calls, never while one runs; swapping
+        the returned session back restores the runner exactly. The call path is the
+        same for any session, so swapping costs nothing per call.
+
+        Raises:
+            SessionError: when ``session``'s inputs or outputs differ from the runner's.
+
+        Example:
+            >>> original = runner.swap_session(twin)     # doctest: +SKIP
+            >>> ...                                      # doctest: +SKIP
+            >>> runner.swap_session(original) is twin    # doctest: +SKIP
+            True
+        """
+        inputs = [i.name for i in session.get_inputs()]
+        outputs = [o.name for o in session.get_outputs()]
+        if inputs != self.input_names or outputs != self.output_names:
+            raise SessionError(
+                f"cannot swap in a session with inputs {inputs} and outputs {outputs}: the runner's session has "
+                f"inputs {self.input_names} and outputs {self.output_names}. Build the new session from "
+                "runner.session_source (see ortlab.runtime.profiling.profiling_twin)."
+            )
+        old = self.session
+        self.session, self._sess = session, session._sess
+        return old
 
     def _as_tensor(self, value: object, kind: str) -> torch.Tensor:
         if kind == "tensor":
