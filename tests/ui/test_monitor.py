@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import math
 import pickle
@@ -17,9 +16,9 @@ from torch import nn
 import ortlab
 from ortlab.models import TinyMLP, make_batch
 from ortlab.ui import Monitor, monitor
+from ortlab.ui._monitor_data import StepLog
+from ortlab.ui._monitor_figure import downsample
 from ortlab.ui.monitor import measure_overhead
-
-monitor_module = importlib.import_module("ortlab.ui.monitor")  # ortlab.ui.monitor is also the function
 
 go = pytest.importorskip("plotly.graph_objects")
 
@@ -189,12 +188,12 @@ def test_a_plain_module_can_be_watched_as_a_baseline():
 
 
 def test_deferred_gpu_scalars_are_read_in_one_go():
-    mon = Monitor(ortlab.ORTModule(TinyMLP()))
-    mon._loss = {0: torch.tensor(1.5), 1: 2.0, 2: torch.tensor(3.0, dtype=torch.float16)}
-    mon._extra = {"lr": {1: torch.tensor(0.1)}}
-    mon._materialize()
-    assert mon._loss == {0: 1.5, 1: 2.0, 2: 3.0}
-    assert mon._extra["lr"][1] == pytest.approx(0.1)
+    log = StepLog()
+    log.loss = {0: torch.tensor(1.5), 1: 2.0, 2: torch.tensor(3.0, dtype=torch.float16)}
+    log.extra = {"lr": {1: torch.tensor(0.1)}}
+    log.materialize()
+    assert log.loss == {0: 1.5, 1: 2.0, 2: 3.0}
+    assert log.extra["lr"][1] == pytest.approx(0.1)
 
 
 def test_a_profiling_module_is_read_at_close():
@@ -286,9 +285,9 @@ def test_repr_html_and_status_before_any_step():
 
 def test_long_runs_are_downsampled():
     x = torch.arange(1, 10_001, dtype=torch.float64).numpy()
-    xs, ys = monitor_module._downsample(x, x * 2, 1000)
+    xs, ys = downsample(x, x * 2, 1000)
     assert len(xs) == 1000 and ys == pytest.approx(xs * 2)
-    assert monitor_module._downsample(x[:10], x[:10], 1000)[0] is not None
+    assert downsample(x[:10], x[:10], 1000)[0] is not None
 
 
 def test_a_deep_copy_runs_unwatched_and_a_watched_module_pickles():
@@ -298,9 +297,9 @@ def test_a_deep_copy_runs_unwatched_and_a_watched_module_pickles():
     twin = copy.deepcopy(om)
     x, _ = _batch()
     torch.testing.assert_close(twin(x), om.module(x))
-    steps = len(mon._start)
+    steps = len(mon._log.start)
     twin(x)
-    assert len(mon._start) == steps, "the copy's calls are not the monitor's steps"
+    assert len(mon._log.start) == steps, "the copy's calls are not the monitor's steps"
     restored = pickle.loads(pickle.dumps(om))
     torch.testing.assert_close(restored(x), om.module(x))
     mon.close()
