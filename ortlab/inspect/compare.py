@@ -37,8 +37,9 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from ortlab.config import Options
+from ortlab.inspect import _results
 from ortlab.inspect._record import Recorder, compare_graph, onnx_value_names, onnx_values
-from ortlab.inspect._results import (
+from ortlab.inspect._results import (  # re-exported: the names of ortlab.inspect.compare before the split
     ATOL,
     RTOL,
     CompareResult,
@@ -52,22 +53,7 @@ from ortlab.inspect._results import (
 )
 from ortlab.ortmodule import ORTModule
 
-__all__ = [
-    "RTOL",
-    "ATOL",
-    "ErrorStats",
-    "TensorComparison",
-    "NodeComparison",
-    "LayerSummary",
-    "GraphRun",
-    "CompareResult",
-    "compare_tensors",
-    "default_loss",
-    "onnx_values",
-    "compare",
-    "PartRun",
-    "onnx_value_names",
-]
+__all__ = [*_results.__all__, "default_loss", "onnx_values", "onnx_value_names", "compare"]
 
 logger = logging.getLogger(__name__)
 
