@@ -1,30 +1,41 @@
-"""A real browser: JupyterLab runs the quickstart notebook, and its views render and update.
+"""A real browser: JupyterLab runs notebooks, their views render and update, table links open netron.
 
-JupyterLab is started on 127.0.0.1 and driven by Playwright with Debian's chromium
-(``apt-get install chromium``; ``.ci/run`` installs it). Skipped when chromium,
-Playwright or JupyterLab is missing. The screenshot is kept as a test artifact in
-``test-artifacts/quickstart.png``.
+JupyterLab is started on 127.0.0.1 (once for the module) and driven by Playwright with
+Debian's chromium (``apt-get install chromium``; ``.ci/run`` installs it). Skipped when
+chromium, Playwright or JupyterLab is missing. Screenshots are kept as test artifacts
+in ``test-artifacts/``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
+OUTPUTS = "() => Array.from(document.querySelectorAll('.jp-OutputArea-output')).map(e => e.innerText).join('\\n')"
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)")
+
+
+class JupyterLab(NamedTuple):
+    base: str
+    token: str
+    root: Path
 
 
 def _free_port() -> int:
@@ -33,10 +44,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture()
-def lab(tmp_path):
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory) -> Iterator[JupyterLab]:
     pytest.importorskip("jupyterlab")
     pytest.importorskip("playwright")
+    tmp_path = tmp_path_factory.mktemp("jupyterlab")
     work = tmp_path / "work"
     work.mkdir()
     shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", work / "quickstart.ipynb")
@@ -44,7 +56,8 @@ def lab(tmp_path):
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
     port, token = _free_port(), "ortlab-test"
-    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings")}
+    env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}", "--ServerApp.disable_check_xsrf=True",
@@ -62,70 +75,180 @@ def lab(tmp_path):
     else:
         proc.kill()
         pytest.fail("JupyterLab did not start")
-    yield base, token
+    yield JupyterLab(base, token, work)
     proc.terminate()
     proc.wait(timeout=20)
 
 
-def test_quickstart_renders_in_jupyterlab(lab):
+@pytest.fixture()
+def browser() -> Iterator[Any]:
     from playwright.sync_api import sync_playwright
 
-    base, token = lab
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
-        browser = p.chromium.launch(
+        chromium = p.chromium.launch(
             executable_path=CHROMIUM,
             headless=True,
             args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                   "--disable-sync", "--no-first-run"],
         )
-        page = browser.new_page(viewport={"width": 1400, "height": 1800})
-        page.goto(f"{base}/lab/tree/quickstart.ipynb?token={token}")
-        # Wait for a connected, idle kernel before running anything.
-        page.wait_for_selector(".jp-Notebook", timeout=120_000)
-        page.wait_for_function(
-            "() => { const s = document.querySelector('.jp-Notebook-ExecutionIndicator, .jp-KernelStatus');"
-            " return !!document.querySelector('.jp-NotebookPanel') && (!s || !/Connecting|Starting/.test(s.textContent || '')); }",
-            timeout=120_000,
-        )
-        page.wait_for_timeout(3000)
-        page.click(".jp-Notebook")
-        # Run > Run All Cells. It returns at once: wait for the last cell's output instead.
-        page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
-        page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
-        outputs = "() => Array.from(document.querySelectorAll('.jp-OutputArea-output')).map(e => e.innerText).join('\\n')"
-        page.wait_for_function(
-            f"() => ({outputs})().includes('largest gradient difference')", timeout=300_000
-        )
-        page.wait_for_timeout(3000)  # let widgets and the netron frame finish drawing
-        text = page.evaluate(outputs)
-        plots = page.locator(".js-plotly-plot").count()
-        checkboxes = page.locator(".widget-checkbox input").count()
-        frames = page.locator("iframe").count()
-        netron_src = page.locator("iframe").first.get_attribute("src") if frames else ""
-        # The monitor's plots carry the run's steps: a trace with data points.
-        points = page.evaluate(
-            "() => Array.from(document.querySelectorAll('.js-plotly-plot'))"
-            ".map(p => (p.data || []).reduce((n, t) => n + ((t.x || []).length), 0))"
-            ".reduce((a, b) => a + b, 0)"
-        )
-        # Toggles update: click the layerwise preset and Apply, wait for the measured result.
-        page.locator(".widget-toggle-button", has_text="layerwise").first.click()
-        page.locator("button", has_text="Apply").first.click()
-        page.wait_for_function(f"() => ({outputs})().includes(' ms (')", timeout=120_000)
-        page.screenshot(path=str(ARTIFACTS / "quickstart.png"), full_page=True)
-        if plots:
-            plot = page.locator(".js-plotly-plot").first
-            plot.scroll_into_view_if_needed()
-            plot.screenshot(path=str(ARTIFACTS / "monitor.png"))
-        if frames:
-            frame = page.frames[-1]
-            frame.wait_for_load_state()
-            page.locator("iframe").first.screenshot(path=str(ARTIFACTS / "netron.png"))
-        browser.close()
+        yield chromium
+        chromium.close()
+
+
+def _run_all(page: Any, lab: JupyterLab, notebook: str, done: str) -> None:
+    """Open ``notebook`` in JupyterLab, Run All Cells, wait until an output contains ``done``."""
+    page.goto(f"{lab.base}/lab/tree/{notebook}?token={lab.token}")
+    # Wait for a connected, idle kernel before running anything.
+    page.wait_for_selector(".jp-Notebook", timeout=120_000)
+    page.wait_for_function(
+        "() => { const s = document.querySelector('.jp-Notebook-ExecutionIndicator, .jp-KernelStatus');"
+        " return !!document.querySelector('.jp-NotebookPanel') && (!s || !/Connecting|Starting/.test(s.textContent || '')); }",
+        timeout=120_000,
+    )
+    page.wait_for_timeout(3000)
+    page.click(".jp-Notebook:visible")
+    # Run > Run All Cells. It returns at once: wait for the given output instead.
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+    page.wait_for_function(f"() => ({OUTPUTS})().includes({json.dumps(done)})", timeout=300_000)
+
+
+def test_quickstart_renders_in_jupyterlab(lab, browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1800})
+    _run_all(page, lab, "quickstart.ipynb", "largest gradient difference")
+    page.wait_for_timeout(3000)  # let widgets and the netron frame finish drawing
+    text = page.evaluate(OUTPUTS)
+    plots = page.locator(".js-plotly-plot").count()
+    checkboxes = page.locator(".widget-checkbox input").count()
+    node_links = page.locator("a[title='open in netron']").count()  # saved activations, slow kernels
+    frames = page.locator("iframe").count()
+    netron_src = page.locator("iframe").first.get_attribute("src") if frames else ""
+    # The monitor's plots carry the run's steps: a trace with data points.
+    points = page.evaluate(
+        "() => Array.from(document.querySelectorAll('.js-plotly-plot'))"
+        ".map(p => (p.data || []).reduce((n, t) => n + ((t.x || []).length), 0))"
+        ".reduce((a, b) => a + b, 0)"
+    )
+    # Toggles update: click the layerwise preset and Apply, wait for the measured result.
+    page.locator(".widget-toggle-button", has_text="layerwise").first.click()
+    page.locator("button", has_text="Apply").first.click()
+    page.wait_for_function(f"() => ({OUTPUTS})().includes(' ms (')", timeout=120_000)
+    page.screenshot(path=str(ARTIFACTS / "quickstart.png"), full_page=True)
+    if plots:
+        plot = page.locator(".js-plotly-plot").first
+        plot.scroll_into_view_if_needed()
+        plot.screenshot(path=str(ARTIFACTS / "monitor.png"))
+    if frames:
+        frame = page.frames[-1]
+        frame.wait_for_load_state()
+        page.locator("iframe").first.screenshot(path=str(ARTIFACTS / "netron.png"))
     assert "ortlab first-step report" in text
     assert "saved activations:" in text
     assert "largest gradient difference" in text
     assert plots >= 1 and points > 0, (plots, points)
     assert checkboxes > 0
+    assert "Slowest onnxruntime kernels" in text and node_links > 0
     assert frames >= 1 and "127.0.0.1" in (netron_src or "") or "/proxy/" in (netron_src or "")
+
+
+# A small model, trained with a kernel profile, and a lab of it whose graph view is open:
+# the saved-activation table (lab["split"]) and the slow-kernel table then link to nodes.
+_LINKS_NOTEBOOK = [
+    """import torch, ortlab
+from ortlab.models import GPT, GPTConfig, make_batch
+from ortlab.ui.kernel_table import kernel_table
+torch.manual_seed(0)
+config = GPTConfig(vocab=100, d_model=32, n_heads=2, n_layers=1, block_size=16)
+model = ortlab.ORTModule(GPT(config))
+mon = ortlab.monitor(model, every=5, show=False)
+for step in range(8):
+    if step == 3:
+        mon.profile_now()
+    idx, targets = make_batch("gpt", 2, vocab=config.vocab, block_size=config.block_size)
+    model(idx, targets).backward()
+mon.detach()
+lab = ortlab.explore(GPT(config), idx, targets)
+lab.run("exported")
+lab["exported"].view(height=760)""",
+    'lab["split"]',
+    "kernel_table(mon, lab, top=20)",
+]
+
+
+def _notebook(cells: list[str]) -> str:
+    return json.dumps({
+        "cells": [{"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": c}
+                  for c in cells],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+        "nbformat": 4, "nbformat_minor": 5,
+    })
+
+
+def _sidebar(frame: Any) -> dict[str, str]:
+    """netron's sidebar as {property: value} (name, type, ortlab.module, ortlab.source...).
+
+    Read through locators: netron's page forbids ``eval``, which ``frame.evaluate`` needs.
+    """
+    out: dict[str, str] = {}
+    for item in frame.locator("#sidebar-content .sidebar-item").all():
+        name = item.locator(".sidebar-item-name input").first.get_attribute("title")
+        out.setdefault(name, item.locator(".sidebar-item-value-list").first.inner_text().strip())
+    return out
+
+
+def _frame_at(page: Any, name: str, url: str, timeout: float = 30) -> Any:
+    """The frame ``name`` once it has navigated to ``url`` (a link's target frame)."""
+    deadline, frame = time.time() + timeout, None
+    while time.time() < deadline:
+        frame = page.frame(name=name)
+        if frame is not None and frame.url == url:
+            return frame
+        page.wait_for_timeout(100)
+    others = [p.url for p in page.context.pages if p is not page]
+    pytest.fail(f"the link did not open {url} in the frame {name!r} (it shows {frame and frame.url}; other tabs {others})")
+
+
+def _open_from_row(page: Any, table: str, graph: str, shot: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Click the first link to a node of ``graph`` outside the root module in the table headed ``table``.
+
+    Waits for netron to select the node. Returns the row as {header: text} (with
+    ``node``: the node the link selects) and netron's sidebar; saves screenshots of the
+    table (``table-<shot>``) and of the netron frame (``shot``).
+    """
+    heading = page.locator("h4", has_text=table).first
+    body = heading.locator("xpath=following-sibling::table[1]")
+    body.scroll_into_view_if_needed()
+    body.screenshot(path=str(ARTIFACTS / f"table-{shot}"))
+    rows = body.locator("tr")
+    headers = [h.strip() for h in rows.first.locator("th").all_inner_texts()]
+    row = rows.filter(has=page.locator("a[title='open in netron']")).filter(has_text=graph)
+    row = row.filter(has_not_text="<root>").first
+    link = row.locator("a[title='open in netron']").first
+    cells = dict(zip(headers, (c.strip() for c in row.locator("td").all_inner_texts())))
+    url, frame_name = link.get_attribute("href"), link.get_attribute("target")
+    node = urllib.parse.parse_qs(urllib.parse.urlparse(url).query)["node"][0]
+    link.click()
+    frame = _frame_at(page, frame_name, url)
+    frame.locator("#sidebar-content").get_by_text(node, exact=True).first.wait_for(timeout=60_000)
+    iframe = page.locator(f"iframe[name='{frame_name}']")
+    iframe.scroll_into_view_if_needed()
+    frame.locator("#sidebar-content input[title='ortlab.source']").first.scroll_into_view_if_needed()
+    page.wait_for_timeout(500)  # the selection's scroll animation
+    iframe.screenshot(path=str(ARTIFACTS / shot))
+    return {**cells, "node": node}, _sidebar(frame)
+
+
+def test_table_links_open_the_node_and_its_source_in_netron(lab, browser):
+    (lab.root / "links.ipynb").write_text(_notebook(_LINKS_NOTEBOOK))
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    _run_all(page, lab, "links.ipynb", "Slowest onnxruntime kernels")
+    # A saved activation (made in the forward), then a slow kernel of the backward: the frame changes graph.
+    for table, graph, shot in (("Saved activations", "g0", "netron_activation.png"),
+                               ("Slowest onnxruntime kernels", "g0.backward", "netron_kernel.png")):
+        row, sidebar = _open_from_row(page, table, graph, shot)
+        # netron selected the row's node, and shows the nn.Module and the line that made it.
+        assert sidebar.get("name") == row["node"], (table, row, sidebar)
+        assert sidebar.get("ortlab.module") == row["module"], (table, row, sidebar)
+        assert sidebar.get("ortlab.source") == row["source"], (table, row, sidebar)
+        assert re.search(r"models\.py:\d+ in ", row["source"]), row

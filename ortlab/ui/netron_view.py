@@ -17,7 +17,8 @@ on 127.0.0.1 (a free port) with its own small HTTP server:
 * ``index.html`` gets today's date as its build date (no update dialog), a CSP with
   ``connect-src 'self'`` (no request can leave the page: no analytics, no ipinfo),
   and a settings script (same origin: netron's CSP forbids inline scripts) that
-  sets the consent cookie, stubs ``sendBeacon`` and selects the node named in ``?node=``;
+  sets the consent cookie, stubs ``sendBeacon`` and selects the node named in ``?node=``,
+  opening its properties in netron's sidebar (its ``ortlab.*`` metadata: module, file:line);
 * ``browser.js`` is served with its three start-up checks (age, consent, telemetry)
   removed. If a later netron changes that code, the three measures above still hold;
   a debug log says the patch did not apply.
@@ -112,7 +113,8 @@ _SETTINGS_JS = r"""// ortlab: netron offline inside a notebook (see ortlab/ui/ne
         else if (name.indexOf(wanted + '/') === 0 || name.indexOf('fused ' + wanted + '/') === 0) { fused = fused || value; }
       });
       var value = exact || fused;
-      if (value) { target.scrollTo(target.select([value], 'sidebar')); return; }
+      // activate, as a click does: select it and open its properties (name, ortlab.module, ortlab.source).
+      if (value) { target.scrollTo(target.activate(value)); return; }
     } catch (e) { /* fall back to netron's find sidebar */ }
     try { view._find = { query: wanted, node: true, connection: true, weight: false }; view.find(); } catch (e) { }
   };
