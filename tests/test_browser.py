@@ -206,7 +206,8 @@ def _frame_at(page: Any, name: str, url: str, timeout: float = 30) -> Any:
             return frame
         page.wait_for_timeout(100)
     others = [p.url for p in page.context.pages if p is not page]
-    pytest.fail(f"the link did not open {url} in the frame {name!r} (it shows {frame and frame.url}; other tabs {others})")
+    pytest.fail(f"the link did not open {url} in the frame {name!r} "
+                f"(it shows {frame and frame.url}; other tabs {others})")
 
 
 def _open_from_row(page: Any, table: str, graph: str, shot: str) -> tuple[dict[str, str], dict[str, str]]:

@@ -41,7 +41,8 @@ class KernelTable:
 
     def _repr_html_(self) -> str:
         if not self.rows:
-            return "<p style='font-size:12px'>No kernel profile yet: <code>mon.profile_now()</code>, then train a few steps.</p>"
+            return ("<p style='font-size:12px'>No kernel profile yet: <code>mon.profile_now()</code>, "
+                    "then train a few steps.</p>")
         total = sum(r.dur_us for r, _ in self.rows) or 1.0
         cells = []
         for r, url in self.rows:
@@ -52,8 +53,9 @@ class KernelTable:
         hint = "" if any(url for _, url in self.rows) else (
             "<p style='font-size:12px;color:#666'>Open a graph with <code>lab['exported'].view()</code>; "
             "rows then link to their nodes.</p>")
+        header = ["graph", "node", "kernel", "us / step", "share", "module", "source"]
         return ("<div style='font-family:sans-serif'><h4 style='margin:8px 0 2px'>Slowest onnxruntime kernels</h4>"
-                + _table(["graph", "node", "kernel", "us / step", "share", "module", "source"], cells) + hint + "</div>")
+                + _table(header, cells) + hint + "</div>")
 
     def __repr__(self) -> str:
         return "\n".join(f"{r.dur_us / self.steps:10,.0f} us  {r.label}" for r, _ in self.rows) or "no kernel profile"
@@ -61,10 +63,10 @@ class KernelTable:
 
 def _url(linker: _Linker, record: NodeTime) -> str | None:
     """A view of the exported graph the kernel ran in, its node selected."""
-    from ortlab.ui.netron_view import _load, resolve_node
+    from ortlab.ui._netron_graphs import load_model, resolve_node
 
     for path in linker._exported(record.graph):
-        model = _load(path)
+        model = load_model(path)
         for name in (record.node, record.fx_node):
             if name and resolve_node(model, name) is not None:
                 return linker.url(path, name)

@@ -1,0 +1,308 @@
+"""The netron server: 127.0.0.1, a free port, only the files ortlab registered, behind a key.
+
+``/data/<key>/<name>`` answers only the names registered with :meth:`NetronServer.add`,
+and only with the server's random key (127.0.0.1 is reachable by every user of a shared
+machine); the page and netron's static files come from ``ortlab.ui._netron_page``
+(see Note [Why ortlab serves netron itself] there). One shared server per process
+(:func:`default_server`) serves every graph view; it stops at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import hmac
+import http.server
+import logging
+import os
+import re
+import secrets
+import threading
+import urllib.parse
+import weakref
+from typing import Any
+
+from ortlab.errors import ConfigError, OrtlabError
+from ortlab.ui._netron_page import SETTINGS_JS, SETTINGS_SCRIPT, STATIC_TYPES, index_html, netron_dir, static_file
+
+__all__ = [
+    "NetronServer",
+    "proxy_prefix",
+    "default_server",
+    "running_default_server",
+    "set_proxy",
+    "stop_default_server",
+    "forget_folder",
+    "frame_name",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server_version = "ortlab-netron"
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        self._answer(send_body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        self._answer(send_body=False)
+
+    def _answer(self, send_body: bool) -> None:
+        parsed = urllib.parse.urlparse(self.path)
+        path = urllib.parse.unquote(parsed.path)
+        owner = self.server.owner  # type: ignore[attr-defined]
+        body, ctype, cache = None, "", "no-store"
+        if path in ("/", "/index.html"):
+            query = urllib.parse.parse_qs(parsed.query)
+            name = query.get("file", [None])[0]
+            if name is None:
+                body = index_html(None, "")
+            elif owner.path_of(name) is not None and hmac.compare_digest(query.get("key", [""])[0], owner.key):
+                body = index_html(f"{owner.key}/{name}", query.get("title", [""])[0] or name)
+            ctype = STATIC_TYPES[".html"]
+        elif path == "/" + SETTINGS_SCRIPT:
+            body, ctype = SETTINGS_JS.encode("utf-8"), STATIC_TYPES[".js"]
+        elif path.startswith(f"/data/{owner.key}/"):
+            file = owner.path_of(path[len(f"/data/{owner.key}/"):])
+            if file is not None and os.path.isfile(file):
+                with open(file, "rb") as f:
+                    body, ctype = f.read(), "application/octet-stream"
+        elif path.count("/") == 1:
+            name = path[1:]
+            body = static_file(name)
+            ctype, cache = STATIC_TYPES.get(os.path.splitext(name)[1], ""), "max-age=3600"
+        if body is None:
+            self.send_response(404)
+            self.send_header("Content-Type", "text/plain")
+            self.send_header("Content-Length", "9")
+            self.end_headers()
+            if send_body:
+                self.wfile.write(b"not found")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", cache)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
+        logger.debug("netron server: " + format, *args)
+
+
+class _HTTPServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    owner: NetronServer
+
+
+_SERVERS: weakref.WeakSet[NetronServer] = weakref.WeakSet()
+
+
+def proxy_prefix(port: int, proxy: bool | str | None = None) -> str | None:
+    """The URL path the browser reaches ``port`` at through jupyter-server-proxy, if any.
+
+    ``proxy=None`` detects JupyterHub/Binder (``JUPYTERHUB_SERVICE_PREFIX``); ``True``
+    always proxies (``/proxy/<port>/`` under that prefix, or under ``/``); ``False``
+    never; a string is a template with ``{port}``, e.g. ``"https://hub/user/me/proxy/{port}/"``.
+
+    Example:
+        >>> proxy_prefix(8081, "/user/me/proxy/{port}/")
+        '/user/me/proxy/8081/'
+    """
+    if proxy is False:
+        return None
+    if isinstance(proxy, str):
+        if "{port}" not in proxy:
+            raise ConfigError(f"proxy={proxy!r} needs a '{{port}}' placeholder, e.g. '/proxy/{{port}}/'.")
+        url = proxy.format(port=port)
+        return url if url.endswith("/") else url + "/"
+    prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX")
+    if prefix is None and proxy is not True:
+        return None
+    return f"{(prefix or '/').rstrip('/')}/proxy/{port}/"
+
+
+class NetronServer:
+    """A netron server on 127.0.0.1 that serves only the files given to :meth:`add`.
+
+    Args:
+        host: address to bind (keep the default: the server has no authentication).
+        port: 0 picks a free port.
+        proxy: how the browser reaches the server, see :func:`proxy_prefix`.
+
+    Example:
+        >>> with NetronServer() as server:                        # doctest: +SKIP
+        ...     url = server.url(server.add("net_forward_exported_train.onnx"))
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, proxy: bool | str | None = None) -> None:
+        self.host, self.proxy = host, proxy
+        self._port = port
+        # 127.0.0.1 is reachable by every user of a shared machine: pages and files need this key.
+        self.key = secrets.token_urlsafe(12)
+        self._files: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._httpd: _HTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        _SERVERS.add(self)
+
+    # ------------------------------------------------------------------------ lifecycle
+    def start(self) -> NetronServer:
+        if self.running:
+            return self
+        netron_dir()  # fail early, with the install hint
+        httpd = _HTTPServer((self.host, self._port), _Handler)
+        httpd.owner = self
+        self._httpd = httpd
+        self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name=f"ortlab-netron-{httpd.server_address[1]}", daemon=True)
+        self._thread.start()
+        logger.debug("netron server on %s", self.local_url())
+        return self
+
+    def stop(self) -> None:
+        """Stop serving (the registered files are kept for a later :meth:`start`)."""
+        httpd, thread = self._httpd, self._thread
+        self._httpd = self._thread = None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
+        if thread is not None:
+            thread.join(timeout=5)
+
+    @property
+    def running(self) -> bool:
+        return self._httpd is not None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def port(self) -> int:
+        if self._httpd is None:
+            raise OrtlabError("the netron server is not running; call start() first.")
+        return int(self._httpd.server_address[1])
+
+    def __enter__(self) -> NetronServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---------------------------------------------------------------------------- files
+    def add(self, path: str, name: str | None = None) -> str:
+        """Serve ``path`` (a file ortlab saved) as ``data/<name>``; returns the name."""
+        path = os.path.abspath(path)
+        if not os.path.isfile(path):
+            raise OrtlabError(f"cannot serve {path}: no such file.")
+        with self._lock:
+            for known, p in self._files.items():
+                if p == path:
+                    return known
+            base = re.sub(r"[^A-Za-z0-9_.-]", "_", name or os.path.basename(path)).lstrip(".") or "model.onnx"
+            stem, ext = os.path.splitext(base)
+            candidate, k = base, 1
+            while candidate in self._files:
+                candidate, k = f"{stem}-{k}{ext}", k + 1
+            self._files[candidate] = path
+            return candidate
+
+    def remove(self, name: str) -> None:
+        with self._lock:
+            self._files.pop(name, None)
+
+    def forget_folder(self, folder: str) -> None:
+        """Stop serving every file under ``folder``."""
+        folder = os.path.abspath(folder) + os.sep
+        with self._lock:
+            for name in [n for n, p in self._files.items() if p.startswith(folder)]:
+                del self._files[name]
+
+    def path_of(self, name: str) -> str | None:
+        with self._lock:
+            return self._files.get(name)
+
+    @property
+    def files(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._files)
+
+    # ----------------------------------------------------------------------------- URLs
+    def _query(self, name: str | None, node: str | None, title: str | None) -> str:
+        key = self.key if name else None
+        params = {k: v for k, v in (("file", name), ("key", key), ("node", node), ("title", title)) if v}
+        return "?" + urllib.parse.urlencode(params) if params else ""
+
+    def local_url(self, name: str | None = None, node: str | None = None, title: str | None = None) -> str:
+        """``http://127.0.0.1:<port>/?file=...``: the URL on this machine."""
+        return f"http://{self.host}:{self.port}/{self._query(name, node, title)}"
+
+    def url(self, name: str | None = None, node: str | None = None, title: str | None = None) -> str:
+        """The URL a browser opens: proxied behind JupyterHub, else the local one."""
+        prefix = proxy_prefix(self.port, self.proxy)
+        return prefix + self._query(name, node, title) if prefix else self.local_url(name, node, title)
+
+
+_DEFAULT: NetronServer | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def default_server(proxy: bool | str | None = None) -> NetronServer:
+    """The process's shared netron server, started on first use, stopped at exit.
+
+    Example:
+        >>> default_server().url(default_server().add("lab/net_forward_exported_train.onnx"))  # doctest: +SKIP
+    """
+    global _DEFAULT
+    with _DEFAULT_LOCK:
+        if _DEFAULT is None:
+            _DEFAULT = NetronServer(proxy=proxy)
+        elif proxy is not None:
+            _DEFAULT.proxy = proxy
+        return _DEFAULT.start()
+
+
+def running_default_server() -> NetronServer | None:
+    """The shared server if it is running (never starts one)."""
+    return _DEFAULT if _DEFAULT is not None and _DEFAULT.running else None
+
+
+def set_proxy(proxy: bool | str | None) -> None:
+    """How the browser reaches graph views (see :func:`proxy_prefix`).
+
+    Example:
+        >>> set_proxy(True)      # doctest: +SKIP
+    """
+    default_server(proxy=proxy)
+
+
+def stop_default_server() -> None:
+    """Stop the shared server (graph views already shown go blank).
+
+    Example:
+        >>> stop_default_server()                    # doctest: +SKIP
+    """
+    if _DEFAULT is not None:
+        _DEFAULT.stop()
+
+
+def forget_folder(folder: str) -> None:
+    """Stop serving the files of a lab folder (``Lab.close`` calls this)."""
+    for server in list(_SERVERS):
+        server.forget_folder(folder)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_SERVERS):
+        server.stop()
+
+
+def frame_name(folder: str) -> str:
+    """The iframe name a lab's views use, so table links open in the lab's view.
+
+    Example:
+        >>> frame_name("/tmp/lab").startswith("ortlab_netron_")
+        True
+    """
+    return "ortlab_netron_" + hashlib.sha1(os.path.abspath(folder).encode()).hexdigest()[:10]
