@@ -6,23 +6,11 @@ import html
 import re
 import urllib.parse
 
-import torch
-from torch import nn
-
 from ortlab.inspect.explore import explore
 from ortlab.inspect.profile import NodeTime
+from ortlab.models import TinyMLP, make_batch
 from ortlab.ui import netron_view
 from ortlab.ui.kernel_table import kernel_table
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8)
-        self.fc2 = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x))).sum()
 
 
 class _Monitor:
@@ -40,21 +28,21 @@ def _links(page: str) -> dict[str, dict[str, list[str]]]:
 
 def test_kernel_rows_link_to_their_node(tmp_path):
     netron_view.stop_default_server()
-    lab = explore(Net(), torch.randn(4, 6), folder=str(tmp_path / "lab"))
+    lab = explore(TinyMLP(), *make_batch("tiny", 4), folder=str(tmp_path / "lab"))
     lab.run("exported")
     nodes = [
-        NodeTime("node_addmm", "Gemm", 300.0, 3, "g0.forward", "addmm", "fc1", "aten.addmm", "m.py:3 in forward"),
-        NodeTime("node_mm", "MatMul", 600.0, 3, "g0.backward", "mm", "fc2", "aten.mm", "m.py:4 in forward"),
+        NodeTime("node_addmm", "Gemm", 300.0, 3, "g0.forward", "addmm", "net.0", "aten.addmm", "m.py:3 in forward"),
+        NodeTime("node_mm", "MatMul", 600.0, 3, "g0.backward", "mm", "net.2", "aten.mm", "m.py:4 in forward"),
         # a node onnxruntime made: found through the FX node its provenance names
-        NodeTime("node_tanh_new_reshape", "Reshape", 90.0, 3, "g0.forward", "tanh", "", "aten.tanh", "m.py:4"),
+        NodeTime("node_relu_new_reshape", "Reshape", 90.0, 3, "g0.forward", "relu", "net.1", "aten.relu", "m.py:4"),
         NodeTime("ort_only", "MemcpyToHost", 30.0, 3, "g0.forward", "", "<unknown>"),
     ]
     mon = _Monitor(nodes, steps=3)
     try:
         table = kernel_table(mon, lab, top=3)
-        assert [r.node for r, _ in table.rows] == ["node_mm", "node_addmm", "node_tanh_new_reshape"]
+        assert [r.node for r, _ in table.rows] == ["node_mm", "node_addmm", "node_relu_new_reshape"]
         page = table._repr_html_()
-        assert "200" in page and "100" in page and "fc2" in page and "m.py:4 in forward" in page  # us per step
+        assert ">200<" in page and ">100<" in page and "net.2" in page and "m.py:4 in forward" in page  # us per step
         assert not _links(page) and netron_view.running_default_server() is None  # no view open: no links
         assert "lab['exported'].view()" in page
         lab["exported"].view()
@@ -62,11 +50,11 @@ def test_kernel_rows_link_to_their_node(tmp_path):
         links = _links(page)
         assert links["node_addmm"]["node"] == ["node_addmm"] and "forward" in links["node_addmm"]["file"][0]
         assert links["node_mm"]["node"] == ["node_mm"] and "backward" in links["node_mm"]["file"][0]
-        assert links["node_tanh_new_reshape"]["node"] == ["node_tanh"]
+        assert links["node_relu_new_reshape"]["node"] == ["node_relu"]
         assert "ort_only" not in links and "ort_only" in page
         assert f"target='{netron_view.frame_name(lab.folder)}'" in page
         assert "lab['exported'].view()" not in page
-        assert "node_mm (MatMul) at fc2" in repr(kernel_table(nodes))  # records, no lab: plain rows
+        assert "node_mm (MatMul) at net.2" in repr(kernel_table(nodes))  # records, no lab: plain rows
         empty = _Monitor([], 1)
         empty.profiles = []
         assert "No kernel profile" in kernel_table(empty, lab)._repr_html_()
