@@ -119,8 +119,11 @@ def test_op_counts_diffs_and_timings(stepped):
     assert captured.op_counts == {"linear": 2, "tanh": 1, "call_method:sum": 1}
     assert joint.op_counts["aten.addmm"] == 2 and joint.op_counts["aten.mm"] >= 2
     assert joint.diff.added["aten.addmm"] == 2 and joint.diff.removed["linear"] == 2
-    # Without recompute the forward and backward hold exactly the joint graph's ops.
-    assert split.op_counts == joint.op_counts and not split.diff.changed
+    # Without recompute the forward and backward hold the joint graph's ops; only views are
+    # re-applied in the backward (the forward hands it their bases: a view is a copy in onnxruntime).
+    assert not split.diff.removed and set(split.diff.added) <= {"aten.t", "aten.view", "aten.transpose", "aten.permute"}
+    assert {k: v for k, v in split.op_counts.items() if k not in split.diff.added} == {
+        k: v for k, v in joint.op_counts.items() if k not in split.diff.added}
     assert set(split.artifacts) == {"g0.forward", "g0.backward"}
     exported = lab["exported"]
     assert exported.op_counts["Gemm"] >= 2 and "aten.addmm" in exported.diff.removed
