@@ -82,7 +82,7 @@ def lab(tmp_path_factory) -> Iterator[JupyterLab]:
 
 @pytest.fixture()
 def browser() -> Iterator[Any]:
-    from playwright.sync_api import sync_playwright
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
 
     ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as p:
