@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import tempfile
 import time
 
 import onnxruntime as ort
@@ -71,7 +70,11 @@ def session_options(
         so.intra_op_num_threads = threads
     if options.profile:
         so.enable_profiling = True
-        so.profile_file_prefix = os.path.join(tempfile.gettempdir(), "ortlab_profile")
+        # One prefix per session: onnxruntime names the file by start time only, so two
+        # sessions starting in the same millisecond would otherwise write the same file.
+        from ortlab.runtime.profiling import profile_prefix  # profiling imports the runner
+
+        so.profile_file_prefix = profile_prefix()
     if optimized_path is not None:
         so.optimized_model_filepath = optimized_path
     # onnxruntime's idle threads spin by default, burning the cores PyTorch needs for
