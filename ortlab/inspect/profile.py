@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ortlab.errors import OrtlabError, first_line
+from ortlab.onnx.provenance import node_provenance
 
 __all__ = [
     "NodeTime",
@@ -140,42 +141,6 @@ def onnx_node_name(event_name: str) -> str:
     if name.startswith("fused "):
         name = name[len("fused ") :]
     return name.split("/")[0]
-
-
-def _nodes_of(model: Any) -> Iterable[tuple[str, dict[str, str]]]:
-    """(name, metadata) of every node of an onnx_ir Model or an onnx ModelProto."""
-    graph = getattr(model, "graph", None)
-    if graph is None:
-        return []
-    if hasattr(graph, "all_nodes"):  # onnx_ir
-        return ((n.name or "", dict(n.metadata_props)) for n in graph.all_nodes())
-    return ((n.name, {p.key: p.value for p in n.metadata_props}) for n in graph.node)  # ModelProto
-
-
-def node_provenance(model: Any) -> dict[str, dict[str, str]]:
-    """Map each ONNX node name of ``model`` to its ortlab provenance.
-
-    Args:
-        model: an ``onnx_ir.Model`` (``ExportedGraph.model``) or an ``onnx.ModelProto``.
-
-    Returns:
-        ``{node name: {"fx_node", "module", "op", "source"}}``; nodes without ortlab
-        metadata map to empty strings.
-
-    Example:
-        >>> prov = node_provenance(exported.model)       # doctest: +SKIP
-        >>> prov["node_addmm"]["module"]                 # doctest: +SKIP
-        'net.0'
-    """
-    out: dict[str, dict[str, str]] = {}
-    for name, meta in _nodes_of(model):
-        out[name] = {
-            "fx_node": meta.get("ortlab.fx_node", ""),
-            "module": meta.get("ortlab.module", ""),
-            "op": meta.get("ortlab.op", ""),
-            "source": meta.get("ortlab.source", ""),
-        }
-    return out
 
 
 def _load_events(profile: str | os.PathLike | Sequence[dict]) -> list[dict]:
@@ -382,19 +347,10 @@ def _provenance_of(runner: Any, exported: Any) -> dict[str, dict[str, str]]:
     cached = _PROVENANCE.get(runner)
     if cached is not None:
         return cached
-    prov: dict[str, dict[str, str]] = {}
-    source = getattr(runner, "session_source", None)
     if exported is not None:
         prov = node_provenance(exported.model)
-    elif source is not None:
-        try:
-            import onnx
-
-            model = source.model
-            proto = onnx.load_from_string(model) if isinstance(model, bytes) else onnx.load(model, load_external_data=False)
-            prov = node_provenance(proto)
-        except Exception as e:  # a model we cannot read only loses the module column
-            logger.debug("could not read the model of a cached session: %s", e)
+    else:  # a part loaded from the on-disk cache carries the map stored with it
+        prov = getattr(runner, "provenance", None) or {}
     try:
         _PROVENANCE[runner] = prov
     except TypeError:  # not weak-referenceable

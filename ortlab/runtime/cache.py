@@ -88,12 +88,15 @@ class CacheEntry:
 
 
 def store_meta(entry: CacheEntry, input_kinds: list, output_kinds: list, output_dtypes: list,
-               output_sources: list) -> None:
+               output_sources: list, provenance: dict[str, dict[str, str]] | None = None) -> None:
+    """Write the runner metadata of an entry; ``provenance`` maps node names to their source
+    (onnxruntime's optimized model has lost the nodes' ``ortlab.*`` metadata)."""
     meta = {
         "input_kinds": input_kinds,
         "output_kinds": output_kinds,
         "output_dtypes": [str(d) if d is not None else None for d in output_dtypes],
         "output_sources": output_sources,
+        "provenance": {k: v for k, v in (provenance or {}).items() if any(v.values())},
     }
     tmp = entry.meta_path + ".tmp"
     with open(tmp, "w") as f:
@@ -108,6 +111,7 @@ def load_entry(entry: CacheEntry) -> dict | None:
             meta = json.load(f)
         meta["output_dtypes"] = [_DTYPES[d] if d is not None else None for d in meta["output_dtypes"]]
         meta["output_sources"] = [tuple(s) if s is not None else None for s in meta["output_sources"]]
+        meta.setdefault("provenance", {})
         return meta
     except (OSError, ValueError, KeyError) as e:
         logger.warning("ignoring unreadable cache entry %s: %s", entry.meta_path, e)

@@ -31,6 +31,7 @@ from ortlab.errors import DeviceError, ExportError, FallbackError, SessionError,
 from ortlab.onnx.export import ExportedGraph, export_graph, unsupported_nodes
 from ortlab.onnx.optimize import optimize_exported
 from ortlab.report import Fallback, GraphRecord, warn_fallback
+from ortlab.onnx.provenance import node_provenance
 from ortlab.runtime.cache import CacheEntry, cache_key, load_entry, store_meta
 from ortlab.runtime.kernels import low_precision_nodes, missing_kernels
 from ortlab.runtime.observe import GraphObserver, observed_graph, observed_part
@@ -201,7 +202,8 @@ class _Builder:
             raise
         self.record.session_s += seconds
         if entry is not None:
-            store_meta(entry, exported.input_kinds, exported.output_kinds, exported.output_dtypes, exported.output_sources)
+            store_meta(entry, exported.input_kinds, exported.output_kinds, exported.output_dtypes, exported.output_sources,
+                       node_provenance(exported.model))
             if optimized:
                 shutil.copyfile(entry.model_path, optimized)
         if w.enabled:
@@ -253,6 +255,7 @@ class _Builder:
             session, meta["input_kinds"], meta["output_kinds"], meta["output_dtypes"], meta["output_sources"],
             self.ctx.device, SessionSource.of(session, data),
         )
+        runner.provenance = meta["provenance"]
         self.record.parts.append((runner, None))
         return runner
 

@@ -105,6 +105,9 @@ class OrtRunner:
     ) -> None:
         self.session = session
         self.session_source = session_source
+        # node name -> {fx_node, module, op, source}, set for models loaded from the on-disk
+        # cache (their optimized model lost the nodes' metadata); None otherwise.
+        self.provenance: dict[str, dict[str, str]] | None = None
         self._sess = session._sess
         self.input_names = [i.name for i in session.get_inputs()]
         self.output_names = [o.name for o in session.get_outputs()]

@@ -212,3 +212,6 @@ def test_profile_window_on_sessions_loaded_from_the_cache(tmp_path):
     records = window.stop()
     assert {r.graph for r in records} == {"g0.forward", "g0.backward"}
     assert all(r.count == 2 for r in records)  # three runs, the first skipped
+    # The cache stores each node's provenance: kernels of cached models still name their module.
+    gemms = [r for r in records if r.op_type in ("Gemm", "FusedGemm", "MatMul", "FusedMatMul")]
+    assert gemms and all(r.module.startswith("net.") and "models.py" in r.source for r in gemms), gemms
