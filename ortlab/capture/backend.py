@@ -125,7 +125,7 @@ class OrtlabBackend:
                     fw_compiler=compiler("forward", "train"),
                     bw_compiler=compiler("backward", "train"),
                     inference_compiler=compiler("inference", "eval"),
-                    decompositions=decomposition_table(),
+                    decompositions=decomposition_table(self.options.cache_dir),
                     partition_fn=partition,
                 )
         except (FallbackError, DeviceError, dynamo_exc.RestartAnalysis, dynamo_exc.TensorifyScalarRestartAnalysis):

@@ -33,7 +33,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
 
-from ortlab.capture.decompositions import get_registry
+from ortlab.capture.decompositions import get_registry, is_translated
 from ortlab.capture.provenance import module_path, op_name, source_line
 from ortlab.errors import ExportError, first_line
 from ortlab.onnx.translations import is_single_index_accumulate
@@ -130,9 +130,8 @@ class ExportedGraph:
             raise ExportError(f"could not serialize graph {self.model.graph.name!r}: {first_line(e)}") from e
 
 
-def unsupported_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
+def unsupported_nodes(gm: torch.fx.GraphModule, cache_dir: str | None = None) -> dict[str, str]:
     """FX nodes that cannot run in onnxruntime, each with the reason."""
-    registry = get_registry()
     reasons: dict[str, str] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -147,7 +146,7 @@ def unsupported_nodes(gm: torch.fx.GraphModule) -> dict[str, str]:
                 break
         if node.name in reasons:
             continue
-        if not registry.is_registered(node.target):
+        if not is_translated(node.target, cache_dir):
             reasons[node.name] = f"no ONNX translation for {node.target} in torchlib"
     return reasons
 

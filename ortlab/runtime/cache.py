@@ -35,7 +35,8 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torc
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
-def _versions() -> str:
+def library_versions() -> str:
+    """The versions a cached artifact depends on."""
     from ortlab import __version__
 
     return "|".join((torch.__version__, onnx.__version__, onnxscript.__version__, onnxruntime.__version__,
@@ -65,7 +66,7 @@ def cache_key(gm: torch.fx.GraphModule, blocked: dict[str, str], settings: dict[
                 with unset_fake_temporarily():
                     h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     for part in (gm.code, "\n".join(_placeholder_meta(gm)), json.dumps(sorted(blocked)),
-                 json.dumps(settings, sort_keys=True, default=str), _versions()):
+                 json.dumps(settings, sort_keys=True, default=str), library_versions()):
         h.update(part.encode())
         h.update(b"\0")
     return h.hexdigest()[:32]

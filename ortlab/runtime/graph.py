@@ -319,7 +319,7 @@ def _compile(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphContext) 
     record = GraphRecord(name=name, mode=mode, fx_ops=fx_op_counts(gm), graph_module=gm)
     ctx.writer.fx(name, mode, gm)
     nodes = {n.name: n for n in gm.graph.nodes}
-    blocked = {**unsupported_nodes(gm), **_user_fallbacks(gm, tuple(ctx.options.fallback_ops))}
+    blocked = {**unsupported_nodes(gm, ctx.options.cache_dir), **_user_fallbacks(gm, tuple(ctx.options.fallback_ops))}
     builder = _Builder(ctx, record, name)
     for _ in range(_MAX_RETRIES):
         _check_raise(blocked, nodes, ctx, name)
