@@ -215,3 +215,16 @@ def test_profile_window_on_sessions_loaded_from_the_cache(tmp_path):
     # The cache stores each node's provenance: kernels of cached models still name their module.
     gemms = [r for r in records if r.op_type in ("Gemm", "FusedGemm", "MatMul", "FusedMatMul")]
     assert gemms and all(r.module.startswith("net.") and "models.py" in r.source for r in gemms), gemms
+
+
+def test_sessions_share_one_cpu_arena():
+    """Forward and backward sessions draw from one arena registered on onnxruntime's environment."""
+    from ortlab.runtime.session import shared_cpu_arena
+
+    assert shared_cpu_arena() is True and shared_cpu_arena() is True  # registered once, reused
+    om = ortlab.ORTModule(TinyMLP())
+    _train(om)
+    runners = [r for c in om.report.captures for g in c.graphs for r in g.runners]
+    assert len(runners) == 2
+    for runner in runners:
+        assert runner.session.get_session_options().get_session_config_entry("session.use_env_allocators") == "1"
