@@ -183,6 +183,8 @@ def test_profile_window_profiles_only_inside_the_window():
     _train(om, 1)
     originals = [r.session for _, r, _ in _parts(om)]
     window = ProfileWindow(om)
+    mine = f"ortlab_profile_{os.getpid()}_"
+    before = {f for f in os.listdir(window.folder) if f.startswith(mine)}  # other tests' profile=True files
     assert window.start() == 2 and window.active
     assert all(r.session is not s for (_, r, _), s in zip(_parts(om), originals)), "twins swapped in"
     _train(om, 4)
@@ -196,8 +198,8 @@ def test_profile_window_profiles_only_inside_the_window():
     # Training after the window runs unprofiled, with no re-capture.
     _train(om, 2)
     assert len(om.report.captures) == 1
-    leftovers = [f for f in os.listdir(window.folder) if f.startswith(f"ortlab_profile_{os.getpid()}_")]
-    assert leftovers == [], "profile files are removed after reading"
+    leftovers = {f for f in os.listdir(window.folder) if f.startswith(mine)} - before
+    assert leftovers == set(), "profile files are removed after reading"
 
 
 def test_profile_window_keeps_results_identical():
