@@ -23,12 +23,15 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import onnxruntime
-import torch
-from torch import nn
-
 # Lets the script run from a plain checkout, without `pip install -e .`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# ortlab is imported before torch, as the README advises: it shortens the spin of PyTorch's
+# OpenMP threads (GOMP_SPINCOUNT, see ortlab/_openmp.py), which eager measured no slower with.
+import ortlab  # noqa: E402, I001
+import onnxruntime  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
 from ortlab.models import GPT, MLP, GPTConfig, TinyMLP, make_batch  # noqa: E402
 
 CONTENDERS = ("eager", "compile", "ortlab")
@@ -221,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
 
     peak = matmul_peak_gflops()
     print(f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, torch threads {torch.get_num_threads()}")
+    print(f"PyTorch OpenMP spin: {ortlab._openmp.openmp_state()}")
     print(f"fp32 matmul peak (2048x2048 torch.mm): {peak:.1f} GFLOP/s")
     models = MODELS if args.model == "all" else (args.model,)
     all_results: dict[str, dict[str, Result]] = {}
@@ -235,6 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "onnxruntime": onnxruntime.__version__,
             "threads": torch.get_num_threads(),
+            "openmp": ortlab._openmp.openmp_state(),
             "matmul_peak_gflops": peak,
             "steps": args.steps,
             "warmup": args.warmup,

@@ -3,6 +3,7 @@
 Importing ortlab does not import plotly, ipywidgets or netron.
 """
 
+from ortlab import _openmp  # noqa: F401  (first: it may tune OpenMP before PyTorch loads)
 from ortlab.config import DebugOptions, LogLevel, Options
 from ortlab.errors import (
     CaptureError,

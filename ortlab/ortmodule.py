@@ -26,6 +26,7 @@ import torch.utils._pytree as pytree
 from torch._dynamo import exc as dynamo_exc
 from torch._dynamo.utils import counters
 
+from ortlab._openmp import openmp_note
 from ortlab.capture.backend import OrtlabBackend
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import CaptureError, DeviceError, FallbackError, OrtlabError, UnsupportedInputError
@@ -166,7 +167,8 @@ class ORTModule(nn.Module):
 
     # ----------------------------------------------------------------- engine state
     def _ortlab_reset(self) -> None:
-        report = Report()
+        note = openmp_note()
+        report = Report(hints=[note] if note else [])
         backend = OrtlabBackend(self._ortlab_options, self._ortlab_debug, report, self._ortlab_observer)
         compiled = torch.compile(
             self._ortlab_module,

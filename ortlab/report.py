@@ -115,6 +115,7 @@ class Report:
     graph_breaks: dict[str, int] = dataclasses.field(default_factory=dict)
     module_fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
     first_call_s: float = 0.0
+    hints: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def fallbacks(self) -> list[Fallback]:
@@ -169,4 +170,6 @@ class Report:
         files = [f for c in self.captures for f in c.files]
         if files:
             lines.append(f"saved stages: {len(files)} files, e.g. {files[0]}")
+        for hint in self.hints:
+            lines.append(f"hint: {hint}")
         return "\n".join(lines)
