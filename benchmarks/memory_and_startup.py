@@ -31,6 +31,8 @@ CHILD = r"""
 import json, resource, sys, time, warnings
 sys.path.insert(0, {root!r})
 warnings.simplefilter("ignore")
+if sys.argv[1] == "ortlab":
+    import ortlab  # before torch, as the README advises (ortlab/_openmp.py)
 import torch
 from ortlab.models import GPT, GPTConfig, make_batch
 mode, steps = sys.argv[1], int(sys.argv[2])
