@@ -46,6 +46,7 @@ _OWN = (
     "_ortlab_calls",
     "_ortlab_backend",
     "_ortlab_observer",
+    "_ortlab_device_of",
 )
 # Note [Process-wide torch settings]
 # Dynamo reads these when it compiles, which can happen on any call; patching them
@@ -181,6 +182,7 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_ortlab_backend", backend)
         object.__setattr__(self, "_ortlab_compiled", compiled)
         object.__setattr__(self, "_ortlab_calls", 0)
+        object.__setattr__(self, "_ortlab_device_of", None)
 
     def reconfigure(self, **options: Any) -> None:
         """Change engine options (``recompute``, ``fallback_ops``, ``profile``, ...).
@@ -283,16 +285,26 @@ class ORTModule(nn.Module):
 
     # --------------------------------------------------------------------- forward
     def _check_inputs(self, args: tuple, kwargs: dict) -> None:
+        # Fast path, the usual call: plain tensors on the device of the parameter seen last
+        # time. It saves ~40 us a call (pytree and parameters()) on a tiny model's step.
+        param = self._ortlab_device_of
+        if param is not None and not kwargs:
+            device = param.device
+            for a in args:
+                if type(a) is not torch.Tensor or a.device != device or a.layout != torch.strided:
+                    break
+            else:
+                return
         leaves = pytree.tree_leaves((args, kwargs))
         devices = set()
         for leaf in leaves:
             _check_leaf(leaf)
             if isinstance(leaf, torch.Tensor):
                 devices.add(leaf.device)
-        if devices:
-            for p in self._ortlab_module.parameters():
-                devices.add(p.device)
-                break
+        first = next(iter(self._ortlab_module.parameters()), None)
+        object.__setattr__(self, "_ortlab_device_of", first)
+        if devices and first is not None:
+            devices.add(first.device)
         if len(devices) > 1:
             names = ", ".join(sorted(map(str, devices)))
             raise DeviceError(

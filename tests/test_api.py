@@ -117,6 +117,11 @@ def test_bad_inputs_raise_like_pytorch_and_module_stays_usable():
     meta = torch.empty(2, 4, device="meta")
     with pytest.raises(ortlab.DeviceError, match="must share one device"):
         om(meta)
+    with pytest.raises(ortlab.UnsupportedInputError, match="to_dense"):
+        om(torch.randn(2, 4).to_sparse())
+    om.to("meta")  # parameters moved after the fast path learned their device
+    with pytest.raises(ortlab.DeviceError, match="must share one device"):
+        om(torch.randn(2, 4))
 
 
 def test_export_onnx_for_inference_matches_eager_eval(tmp_path):
