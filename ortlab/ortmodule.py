@@ -287,9 +287,9 @@ class ORTModule(nn.Module):
     def _check_inputs(self, args: tuple, kwargs: dict) -> None:
         # Fast path, the usual call: plain tensors on the device of the parameter seen last
         # time. It saves ~40 us a call (pytree and parameters()) on a tiny model's step.
-        param = self._ortlab_device_of
-        if param is not None and not kwargs:
-            device = param.device
+        known = self._ortlab_device_of
+        if known is not None and not kwargs and known[0]._parameters.get(known[1]) is known[2]:
+            device = known[2].device
             for a in args:
                 if type(a) is not torch.Tensor or a.device != device or a.layout != torch.strided:
                     break
@@ -301,10 +301,14 @@ class ORTModule(nn.Module):
             _check_leaf(leaf)
             if isinstance(leaf, torch.Tensor):
                 devices.add(leaf.device)
-        first = next(iter(self._ortlab_module.parameters()), None)
-        object.__setattr__(self, "_ortlab_device_of", first)
-        if devices and first is not None:
-            devices.add(first.device)
+        # (owner, name, parameter): the fast path checks the parameter is still registered,
+        # since module.to() may replace parameter objects.
+        known = next(
+            ((m, n, p) for m in self._ortlab_module.modules() for n, p in m._parameters.items() if p is not None), None
+        )
+        object.__setattr__(self, "_ortlab_device_of", known)
+        if devices and known is not None:
+            devices.add(known[2].device)
         if len(devices) > 1:
             names = ", ".join(sorted(map(str, devices)))
             raise DeviceError(
