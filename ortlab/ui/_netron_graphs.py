@@ -18,7 +18,7 @@ from typing import Any
 
 from ortlab.errors import ConfigError
 
-__all__ = ["load_model", "annotate", "node_modules", "module_counts", "extract_module", "resolve_node"]
+__all__ = ["load_model", "annotate", "annotate_from", "node_modules", "module_counts", "extract_module", "resolve_node"]
 
 
 def load_model(path: str) -> Any:
@@ -47,9 +47,23 @@ def annotate(model: Any, reference: Any) -> Any | None:
         >>> optimized = onnx.load("net_forward_ort_all_train.onnx")          # doctest: +SKIP
         >>> annotate(optimized, onnx.load("net_forward_onnxscript_train.onnx"))  # doctest: +SKIP
     """
+    props = {n.name: [(p.key, p.value) for p in n.metadata_props if p.key in _PROVENANCE] for n in reference.graph.node}
+    return _with_props(model, props)
+
+
+def annotate_from(model: Any, provenance: dict[str, dict[str, str]]) -> Any | None:
+    """Like :func:`annotate`, from a ``node_provenance`` map (what the on-disk cache stores).
+
+    Example:
+        >>> annotate_from(onnx.load(entry.model_path), runner.provenance)   # doctest: +SKIP
+    """
+    props = {name: [(f"ortlab.{k}", v) for k, v in prov.items() if v] for name, prov in provenance.items()}
+    return _with_props(model, props)
+
+
+def _with_props(model: Any, props: dict[str, list[tuple[str, str]]]) -> Any | None:
     import onnx
 
-    props = {n.name: [(p.key, p.value) for p in n.metadata_props if p.key in _PROVENANCE] for n in reference.graph.node}
     out = onnx.ModelProto()
     out.CopyFrom(model)
     added = 0

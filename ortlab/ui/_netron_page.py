@@ -18,7 +18,8 @@ on 127.0.0.1 (a free port) with its own small HTTP server:
   ``connect-src 'self'`` (no request can leave the page: no analytics, no ipinfo),
   and a settings script (same origin: netron's CSP forbids inline scripts) that
   sets the consent cookie, stubs ``sendBeacon`` and selects the node named in ``?node=``,
-  opening its properties in netron's sidebar (its ``ortlab.*`` metadata: module, file:line);
+  opening its properties in netron's sidebar, scrolled down to its ``ortlab.*`` metadata
+  (module, file:line) when the frame is too short to show them;
 * ``browser.js`` is served with its three start-up checks (age, consent, telemetry)
   removed. If a later netron changes that code, the three measures above still hold;
   a debug log says the patch did not apply.
@@ -67,6 +68,19 @@ SETTINGS_JS = r"""// ortlab: netron offline inside a notebook (see ortlab/ui/_ne
   } catch (e) { /* the CSP blocks the request anyway */ }
   var wanted = new URLSearchParams(window.location.search).get('node');
   if (!wanted) { return; }
+  // In a short frame the sidebar's metadata (below the node's inputs and outputs) is out of
+  // sight: scroll the sidebar just enough to show ortlab.module and ortlab.source.
+  var showSource = function (tries) {
+    var source = document.querySelector("#sidebar-content input[title='ortlab.source']");
+    var item = source && source.closest('.sidebar-item');
+    var box = item && item.closest('.sidebar-object');
+    if (!box) {
+      if (tries < 50) { window.setTimeout(function () { showSource(tries + 1); }, 100); }
+      return;
+    }
+    var below = item.getBoundingClientRect().bottom - box.getBoundingClientRect().bottom + 12;
+    if (below > 0) { box.scrollTop += below; }
+  };
   var reveal = function (view, target) {
     try {
       var exact = null, fused = null;
@@ -78,7 +92,7 @@ SETTINGS_JS = r"""// ortlab: netron offline inside a notebook (see ortlab/ui/_ne
       });
       var value = exact || fused;
       // activate, as a click does: select it and open its properties (name, ortlab.module, ortlab.source).
-      if (value) { target.scrollTo(target.activate(value)); return; }
+      if (value) { target.scrollTo(target.activate(value)); showSource(0); return; }
     } catch (e) { /* fall back to netron's find sidebar */ }
     try { view._find = { query: wanted, node: true, connection: true, weight: false }; view.find(); } catch (e) { }
   };

@@ -3,14 +3,17 @@
 The monitor draws kernel time as bars (a plotly chart holds no links). This table lists
 the same records (:class:`~ortlab.inspect.profile.NodeTime`, one per ONNX node) and links
 each node to a netron view of the graph it ran in, the node selected, the way the
-stepper's tables link saved activations and fallbacks (see ``ortlab.ui.stepper``): into
-the lab's netron frame, only while a graph view is open.
+stepper's tables link saved activations and fallbacks (see ``ortlab.ui._links``).
 
-The kernels come from the trained ``ORTModule``, the graphs from a lab
-(``ortlab.explore``) of the same model: the exported node names are the FX node names,
-which depend on the model's code only, so a node of one is the node of the other.
-onnxruntime's own nodes (``node_view_3_new_reshape``) are found through the FX node
-their provenance names.
+The graphs are the trained module's own (``mon.kernel_table()``, or ``kernel_table(mon)``):
+written once to a temp folder (``ortlab.ui._module_graphs``) and shown in a netron view
+under the table, where the rows' links open. Or a lab (``ortlab.explore``) of the same
+model: the exported node names are the FX node names, which depend on the model's code
+only, so a node of one is the node of the other; links then open in the lab's view while
+one is open. Kernel names are onnxruntime's (``fused node_addmm``,
+``node_mm_3/MatmulTransposeFusion/``): the profile reader keeps the exported node's name
+(``ortlab.inspect.profile.onnx_node_name``), and nodes onnxruntime made
+(``node_view_3_new_reshape``) are found through the FX node their provenance names.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import Any
 
 from ortlab.inspect.profile import NodeTime, top_nodes
 from ortlab.inspect.stages import Lab
-from ortlab.ui.stepper import _e, _Linker, _table
+from ortlab.ui._html import esc, table
+from ortlab.ui._links import Linker
+from ortlab.ui.netron_view import HEIGHT
 
 __all__ = ["KernelTable", "kernel_table"]
 
@@ -34,10 +39,12 @@ class KernelTable:
     Attributes:
         rows: ``(record, url or None)``, slowest first.
         steps: profiled steps the times are divided by.
+        height: of the netron view under the table (0: none; links into a lab open in its view).
     """
 
-    def __init__(self, rows: list[tuple[NodeTime, str | None]], steps: int, linker: _Linker | None) -> None:
-        self.rows, self.steps, self._linker = rows, max(1, steps), linker
+    def __init__(self, rows: list[tuple[NodeTime, str | None]], steps: int, linker: Linker | None,
+                 height: int = 0, hint: str = "") -> None:
+        self.rows, self.steps, self._linker, self.height, self._hint = rows, max(1, steps), linker, height, hint
 
     def _repr_html_(self) -> str:
         if not self.rows:
@@ -46,47 +53,37 @@ class KernelTable:
         total = sum(r.dur_us for r, _ in self.rows) or 1.0
         cells = []
         for r, url in self.rows:
-            name = f"<code>{_e(r.node)}</code>"
-            cells.append([_e(r.graph), self._linker.link(name, url) if self._linker else name,
-                          f"<code>{_e(r.op_type)}</code>", f"{r.dur_us / self.steps:,.0f}", f"{r.dur_us / total:.0%}",
-                          _e(r.module or "<root>"), f"<small>{_e(r.source)}</small>"])
-        hint = "" if any(url for _, url in self.rows) else (
-            "<p style='font-size:12px;color:#666'>Open a graph with <code>lab['exported'].view()</code>; "
-            "rows then link to their nodes.</p>")
+            name = f"<code>{esc(r.node)}</code>"
+            cells.append([esc(r.graph), self._linker.link(name, url) if self._linker else name,
+                          f"<code>{esc(r.op_type)}</code>", f"{r.dur_us / self.steps:,.0f}", f"{r.dur_us / total:.0%}",
+                          esc(r.module or "<root>"), f"<small>{esc(r.source)}</small>"])
+        first = next((url for _, url in self.rows if url), None)
+        hint = "" if first else self._hint
+        viewer = self._linker.viewer(first, self.height) if self._linker and self.height else ""
         header = ["graph", "node", "kernel", "us / step", "share", "module", "source"]
         return ("<div style='font-family:sans-serif'><h4 style='margin:8px 0 2px'>Slowest onnxruntime kernels</h4>"
-                + _table(header, cells) + hint + "</div>")
+                + table(header, cells) + hint + viewer + "</div>")
 
     def __repr__(self) -> str:
         return "\n".join(f"{r.dur_us / self.steps:10,.0f} us  {r.label}" for r, _ in self.rows) or "no kernel profile"
 
 
-def _url(linker: _Linker, record: NodeTime) -> str | None:
-    """A view of the exported graph the kernel ran in, its node selected."""
-    from ortlab.ui._netron_graphs import load_model, resolve_node
-
-    for path in linker._exported(record.graph):
-        model = load_model(path)
-        for name in (record.node, record.fx_node):
-            if name and resolve_node(model, name) is not None:
-                return linker.url(path, name)
-    return None
-
-
-def kernel_table(source: Any, lab: Lab | None = None, top: int = 15) -> KernelTable:
-    """The ``top`` slowest kernels of a monitor's last profile (or of records), linked into ``lab``.
+def kernel_table(source: Any, graphs: Any = None, top: int = 15, height: int = HEIGHT) -> KernelTable:
+    """The ``top`` slowest kernels of a monitor's last profile (or of records), linked to their nodes.
 
     Args:
         source: a :class:`~ortlab.ui.monitor.Monitor` (its last profile window) or
             :class:`~ortlab.inspect.profile.NodeTime` records.
-        lab: a lab of the same model whose ``exported`` stage has run; rows link to its
-            graphs while a view of it is open. ``None``: no links.
+        graphs: where rows link to: the trained ``ORTModule`` (its own graphs, in a
+            netron view under the table; default: the monitor's module), or a
+            :class:`~ortlab.inspect.stages.Lab` of the same model whose ``exported`` stage
+            has run (links open in its view while one is open).
         top: rows.
+        height: of the netron view under the table; 0: no view (links open a new tab).
 
     Example:
-        >>> lab = ortlab.explore(GPT(config), idx, targets); lab.run("exported")   # doctest: +SKIP
-        >>> lab["exported"].view()                                                 # doctest: +SKIP
-        >>> kernel_table(mon, lab)                                                 # doctest: +SKIP
+        >>> kernel_table(mon)                     # same as mon.kernel_table()  # doctest: +SKIP
+        >>> kernel_table(mon, lab)                # into lab["exported"].view()  # doctest: +SKIP
     """
     profiles = getattr(source, "profiles", None)
     if profiles is not None:
@@ -95,7 +92,19 @@ def kernel_table(source: Any, lab: Lab | None = None, top: int = 15) -> KernelTa
     else:
         records, steps = source, 1
     rows = top_nodes(records, top)
-    linker = _Linker(lab["exported"]) if lab is not None else None
+    if graphs is None:
+        graphs = getattr(source, "ortmodule", None)
+    hint = ""
+    if isinstance(graphs, Lab):
+        linker, height = Linker.for_stage(graphs["exported"]), 0
+        hint = ("<p style='font-size:12px;color:#666'>Open a graph with <code>lab['exported'].view()</code>; "
+                "rows then link to their nodes.</p>")
+    elif graphs is not None and hasattr(graphs, "report"):
+        from ortlab.ui._module_graphs import module_linker
+
+        linker = module_linker(graphs) if rows else None
+    else:
+        linker = None
     if linker is None or not linker.active:
-        return KernelTable([(r, None) for r in rows], steps, linker)
-    return KernelTable([(r, _url(linker, r)) for r in rows], steps, linker)
+        return KernelTable([(r, None) for r in rows], steps, linker, 0, hint)
+    return KernelTable([(r, linker.kernel(r)) for r in rows], steps, linker, height, hint)

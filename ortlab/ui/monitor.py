@@ -464,6 +464,17 @@ class Monitor:
         """
         return plots.figure(self._series(), self.status())
 
+    def kernel_table(self, top: int = 15, **kwargs: Any) -> Any:
+        """The slowest kernels of the last profile window, each linked to its node in the
+        module's own graphs, shown in netron under the table (see ``ortlab.ui.kernel_table``).
+
+        Example:
+            >>> mon.kernel_table(top=10)      # doctest: +SKIP
+        """
+        from ortlab.ui.kernel_table import kernel_table
+
+        return kernel_table(self, top=top, **kwargs)
+
     def _series(self) -> dict[str, tuple]:
         return plots.series(self._log, self.steps, self.max_points, self.top, self.module_depth)
 

@@ -4,8 +4,9 @@ A view is an IFrame of netron's page (``NetronView``), served by a netron server
 ortlab's own on 127.0.0.1 with a page that works offline and selects the node named
 in ``?node=``, opening its properties (``ortlab.module``, ``ortlab.source``) in netron's
 sidebar. Tables (saved activations and fallbacks in ``ortlab.ui.stepper``, slow
-kernels in ``ortlab.ui.kernel_table``) link rows to :func:`url_for` URLs that open in
-the lab's view (the IFrame named :func:`frame_name`). A graph too large for netron is
+kernels in ``ortlab.ui.kernel_table``, the toggles) link rows to :func:`url_for` URLs
+(see ``ortlab.ui._links``) that open in the lab's view (the IFrame named
+:func:`frame_name`) or in a view under the table. A graph too large for netron is
 shown a module at a time.
 
 The work is split by job, and every public name is re-exported here:
@@ -26,8 +27,10 @@ import re
 from typing import Any
 
 from ortlab.errors import OrtlabError
+from ortlab.ui._html import viewer_html
 from ortlab.ui._netron_graphs import (
     annotate,
+    annotate_from,
     extract_module,
     load_model,
     module_counts,
@@ -57,6 +60,7 @@ __all__ = [
     "proxy_prefix",
     "extract_module",
     "annotate",
+    "annotate_from",
     "module_counts",
     "node_modules",
     "resolve_node",
@@ -69,9 +73,10 @@ __all__ = [
     "netron_version",
 ]
 
-_load = load_model  # the name ortlab.ui.stepper reads models by
-
 MAX_NODES = 5000
+# Tall enough for netron's node sidebar down to its metadata (ortlab.module, ortlab.source) for
+# a node with a few inputs; the page also scrolls the sidebar to them (see _netron_page).
+HEIGHT = 720
 
 
 class NetronView:
@@ -83,7 +88,7 @@ class NetronView:
     """
 
     def __init__(self, server: NetronServer, name: str, path: str, node: str | None = None,
-                 height: int = 600, info: str = "", frame: str | None = None) -> None:
+                 height: int = HEIGHT, info: str = "", frame: str | None = None) -> None:
         self.server, self.name, self.path, self.node = server, name, path, node
         self.height, self.info, self.frame = height, info, frame or frame_name(os.path.dirname(path))
         self.url = server.url(name, node)
@@ -91,14 +96,9 @@ class NetronView:
     def _repr_html_(self) -> str:
         info = f" &middot; {html.escape(self.info)}" if self.info else ""
         node = f" &middot; node <code>{html.escape(self.node)}</code>" if self.node else ""
-        url = html.escape(self.url, quote=True)
-        return (
-            f'<div class="ortlab-netron"><div style="font:12px sans-serif;margin:2px 0">'
-            f"netron: <b>{html.escape(os.path.basename(self.path))}</b>{info}{node} &middot; "
-            f'<a href="{url}" target="_blank" rel="noopener">open in a new tab</a></div>'
-            f'<iframe name="{self.frame}" src="{url}" width="100%" height="{int(self.height)}" '
-            f'style="border:1px solid #ccc" loading="lazy"></iframe></div>'
-        )
+        header = (f"netron: <b>{html.escape(os.path.basename(self.path))}</b>{info}{node} &middot; "
+                  f'<a href="{html.escape(self.url, quote=True)}" target="_blank" rel="noopener">open in a new tab</a>')
+        return viewer_html(self.url, self.frame, self.height, header)
 
     def iframe(self) -> Any:
         """An ``IPython.display.IFrame`` of the view."""
@@ -222,7 +222,7 @@ def view_file(
     path: str,
     node: str | None = None,
     module: str | None = None,
-    height: int = 600,
+    height: int = HEIGHT,
     max_nodes: int = MAX_NODES,
     force: bool = False,
     server: NetronServer | None = None,

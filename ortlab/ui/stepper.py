@@ -11,138 +11,17 @@ a new tab when there is none.
 
 from __future__ import annotations
 
-import glob
-import html
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
-from ortlab.inspect.stages import ActivationRow, FallbackRow, Lab, Stage, onnx_node_index, parse_stage_file
+from ortlab.inspect.stages import Lab, Stage
+from ortlab.ui._html import badge, esc, fmt_bytes, fmt_seconds, table
+from ortlab.ui._links import Linker
 
 __all__ = ["stage_html", "lab_html", "StepperWidget", "stepper"]
 
-logger = logging.getLogger(__name__)
-
 TOP_OPS = 25
-_STATUS = {"done": ("#1a7f37", "done"), "pending": ("#6e7781", "pending"),
-           "skipped": ("#9a6700", "skipped"), "failed": ("#cf222e", "failed")}
-_TABLE = "border-collapse:collapse;font-size:12px;margin:4px 0"
-_CELL = "padding:2px 8px;border-bottom:1px solid #eee;text-align:left;vertical-align:top"
-
-
-def _e(value: Any) -> str:
-    return html.escape(str(value))
-
-
-def _badge(status: str) -> str:
-    color, text = _STATUS.get(status, ("#6e7781", status))
-    return (f"<span style='background:{color};color:#fff;border-radius:8px;padding:0 7px;"
-            f"font-size:11px'>{_e(text)}</span>")
-
-
-def _table(header: list[str], rows: list[list[str]], limit: int | None = None) -> str:
-    """An HTML table; cells are already escaped. Rows past ``limit`` fold into <details>."""
-    def body(part: list[list[str]]) -> str:
-        return "".join("<tr>" + "".join(f"<td style='{_CELL}'>{c}</td>" for c in r) + "</tr>" for r in part)
-
-    head = "<tr>" + "".join(f"<th style='{_CELL}'>{_e(h)}</th>" for h in header) + "</tr>"
-    if limit is None or len(rows) <= limit:
-        return f"<table style='{_TABLE}'>{head}{body(rows)}</table>"
-    return (f"<table style='{_TABLE}'>{head}{body(rows[:limit])}</table>"
-            f"<details><summary style='font-size:12px'>{len(rows) - limit} more</summary>"
-            f"<table style='{_TABLE}'>{head}{body(rows[limit:])}</table></details>")
-
-
-def _seconds(s: float | None) -> str:
-    if s is None:
-        return ""
-    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
-# ------------------------------------------------------------------------------------ links
-class _Linker:
-    """URLs of netron views for table rows; ``None`` everywhere when no server is running."""
-
-    def __init__(self, stage: Stage) -> None:
-        self.stage = stage
-        self.server: Any = None
-        self.frame = ""
-        try:
-            from ortlab.ui import netron_view
-
-            self.server = netron_view.running_default_server()
-            self.frame = netron_view.frame_name(stage.root)
-        except Exception as e:  # netron missing: tables without links
-            logger.debug("no graph links: %s", e)
-
-    @property
-    def active(self) -> bool:
-        return self.server is not None
-
-    def _exported(self, label_prefix: str) -> list[str]:
-        lab = self.stage.lab
-        if lab is not None and lab["exported"].status == "done":
-            arts = lab["exported"].artifacts
-            return [os.path.join(lab.folder, rel) for label, rel in arts.items()
-                    if label == label_prefix or label.startswith(label_prefix + ".")]
-        found = []
-        for path in sorted(glob.glob(os.path.join(self.stage.root, "*_exported_*.onnx"))):
-            info = parse_stage_file(path)
-            if info is not None and (info["label"] == label_prefix or info["label"].startswith(label_prefix + ".")):
-                found.append(path)
-        return found
-
-    def url(self, path: str, node: str | None = None) -> str | None:
-        if not self.active:
-            return None
-        from ortlab.ui.netron_view import url_for
-
-        try:
-            return url_for(path, node, self.server)
-        except Exception as e:  # a broken file must not break the table
-            logger.debug("no link to %s: %s", path, e)
-            return None
-
-    def activation(self, row: ActivationRow) -> str | None:
-        if not self.active:
-            return None
-        paths = self._exported(f"{row.graph}.forward")
-        fallback = None
-        for path in paths:
-            target = onnx_node_index(path).get(row.name)
-            if target is not None and target != row.name:
-                return self.url(path, target)  # the partition that makes it
-            if target is not None and fallback is None:
-                fallback = path  # a partition that reads it (it is made in PyTorch)
-        return self.url(fallback, row.name) if fallback is not None else None
-
-    def fallback(self, row: FallbackRow) -> str | None:
-        if not self.active or not row.values:
-            return None
-        from ortlab.ui.netron_view import _load
-
-        for path in self._exported(row.where):
-            model = _load(path)
-            inputs = {v.name for v in model.graph.input}
-            value = next((v for v in row.values if v in inputs), None)
-            if value is not None:
-                return self.url(path, value)
-        return None
-
-    def link(self, text: str, url: str | None) -> str:
-        if url is None:
-            return text
-        return (f"<a href='{html.escape(url, quote=True)}' target='{self.frame}' "
-                f"title='open in netron'>{text}</a>")
 
 
 # ---------------------------------------------------------------------------- stage tables
@@ -156,12 +35,12 @@ def _ops_table(stage: Stage) -> str:
                 delta = f"<span style='color:#1a7f37'>+{diff.added[op]}</span>"
             elif op in diff.removed:
                 delta = f"<span style='color:#cf222e'>-{diff.removed[op]}</span>"
-        rows.append([f"<code>{_e(op)}</code>", str(n), delta])
+        rows.append([f"<code>{esc(op)}</code>", str(n), delta])
     if diff is not None:
         gone = [op for op in diff.removed if op not in stage.op_counts]
-        rows += [[f"<code style='color:#999'>{_e(op)}</code>", "0",
+        rows += [[f"<code style='color:#999'>{esc(op)}</code>", "0",
                   f"<span style='color:#cf222e'>-{diff.removed[op]}</span>"] for op in gone]
-    return _table(["op", "count", f"vs {stage.previous}" if stage.previous else ""], rows, TOP_OPS)
+    return table(["op", "count", f"vs {stage.previous}" if stage.previous else ""], rows, TOP_OPS)
 
 
 def _diff_html(stage: Stage) -> str:
@@ -169,10 +48,10 @@ def _diff_html(stage: Stage) -> str:
     if d is None:
         return ""
     if not d.changed:
-        return f"<p style='font-size:12px'>No change in op counts from <b>{_e(stage.previous)}</b> ({d.after} ops).</p>"
+        return f"<p style='font-size:12px'>No change in op counts from <b>{esc(stage.previous)}</b> ({d.after} ops).</p>"
     def chips(ops: dict[str, int], sign: str, color: str) -> str:
-        return " ".join(f"<code style='color:{color}'>{_e(op)} {sign}{n}</code>" for op, n in list(ops.items())[:12])
-    parts = [f"<b>{d.before}</b> &rarr; <b>{d.after}</b> ops from <b>{_e(stage.previous)}</b>"]
+        return " ".join(f"<code style='color:{color}'>{esc(op)} {sign}{n}</code>" for op, n in list(ops.items())[:12])
+    parts = [f"<b>{d.before}</b> &rarr; <b>{d.after}</b> ops from <b>{esc(stage.previous)}</b>"]
     if d.added:
         parts.append("added " + chips(d.added, "+", "#1a7f37"))
     if d.removed:
@@ -180,7 +59,7 @@ def _diff_html(stage: Stage) -> str:
     return "<p style='font-size:12px'>" + "<br>".join(parts) + "</p>"
 
 
-def _graphs_table(stage: Stage, linker: _Linker) -> str:
+def _graphs_table(stage: Stage, linker: Linker) -> str:
     if not stage.graph_op_counts and not stage.artifacts:
         return ""
     rows = []
@@ -188,51 +67,51 @@ def _graphs_table(stage: Stage, linker: _Linker) -> str:
     for label in labels:
         counts = stage.graph_op_counts.get(label, {})
         rel = stage.artifacts.get(label, "")
-        name = _e(os.path.basename(rel))
+        name = esc(os.path.basename(rel))
         if rel and stage.kind == "onnx":
             name = linker.link(name, linker.url(os.path.join(stage.root, rel)))
-        rows.append([f"<code>{_e(label)}</code>", str(sum(counts.values())), name,
+        rows.append([f"<code>{esc(label)}</code>", str(sum(counts.values())), name,
                      f"<code>lab[{stage.name!r}].view({label!r})</code>" if rel else ""])
-    return "<h4 style='margin:8px 0 2px'>Graphs</h4>" + _table(["graph", "ops", "file", "open"], rows, 20)
+    return "<h4 style='margin:8px 0 2px'>Graphs</h4>" + table(["graph", "ops", "file", "open"], rows, 20)
 
 
 def _breaks_table(stage: Stage) -> str:
     if not stage.graph_breaks:
         return "<p style='font-size:12px'>No graph breaks: one graph per call.</p>" if stage.name == "captured" else ""
-    rows = [[_e(b.reason), str(b.count), f"<code>{_e(b.location)}</code>" if b.location else "",
+    rows = [[esc(b.reason), str(b.count), f"<code>{esc(b.location)}</code>" if b.location else "",
              f"<details><summary>details</summary><pre style='white-space:pre-wrap;font-size:11px'>"
-             f"{_e(b.detail)}</pre></details>" if b.detail and b.detail != b.reason else ""]
+             f"{esc(b.detail)}</pre></details>" if b.detail and b.detail != b.reason else ""]
             for b in stage.graph_breaks]
     return ("<h4 style='margin:8px 0 2px'>Graph breaks (the code around each runs in PyTorch)</h4>"
-            + _table(["reason", "count", "where", ""], rows))
+            + table(["reason", "count", "where", ""], rows))
 
 
-def _activations_table(stage: Stage, linker: _Linker) -> str:
+def _activations_table(stage: Stage, linker: Linker) -> str:
     if not stage.activations:
         return ""
     rows = []
     for a in sorted(stage.activations, key=lambda r: -r.bytes):
-        name = linker.link(f"<code>{_e(a.name)}</code>", linker.activation(a))
-        rows.append([_e(a.graph), name, f"<code>{_e(a.op)}</code>", _e("x".join(map(str, a.shape)) or "scalar"),
-                     _e(a.dtype), _bytes(a.bytes), _e(a.module or "<root>"), f"<small>{_e(a.source)}</small>",
-                     ("recomputed" + (f": {_e(a.reason)}" if a.reason else "")) if a.recomputed else "saved"])
+        name = linker.link(f"<code>{esc(a.name)}</code>", linker.activation(a))
+        rows.append([esc(a.graph), name, f"<code>{esc(a.op)}</code>", esc("x".join(map(str, a.shape)) or "scalar"),
+                     esc(a.dtype), fmt_bytes(a.bytes), esc(a.module or "<root>"), f"<small>{esc(a.source)}</small>",
+                     ("recomputed" + (f": {esc(a.reason)}" if a.reason else "")) if a.recomputed else "saved"])
     s = stage.summary
     head = (f"<h4 style='margin:8px 0 2px'>Saved activations: {s.get('saved', 0)} saved, "
-            f"{s.get('recomputed', 0)} recomputed, {_bytes(int(s.get('saved_bytes', 0)))} "
-            f"(without recompute {_bytes(int(s.get('baseline_bytes', 0)))})</h4>")
-    return head + _table(["graph", "name", "op", "shape", "dtype", "bytes", "module", "source", ""], rows, 30)
+            f"{s.get('recomputed', 0)} recomputed, {fmt_bytes(int(s.get('saved_bytes', 0)))} "
+            f"(without recompute {fmt_bytes(int(s.get('baseline_bytes', 0)))})</h4>")
+    return head + table(["graph", "name", "op", "shape", "dtype", "bytes", "module", "source", ""], rows, 30)
 
 
-def _fallbacks_table(stage: Stage, linker: _Linker) -> str:
+def _fallbacks_table(stage: Stage, linker: Linker) -> str:
     if not stage.fallbacks:
         return "<p style='font-size:12px'>Nothing runs in PyTorch.</p>" if stage.name == "exported" else ""
     rows = []
     for f in stage.fallbacks:
-        what = f"<code>{_e(f.op or f.scope)}</code>" + (f" ({_e(f.node)})" if f.node else "")
-        rows.append([_e(f.where), linker.link(what, linker.fallback(f)), _e(f.module or ""),
-                     f"<small>{_e(f.source)}</small>", _e(f.reason)])
+        what = f"<code>{esc(f.op or f.scope)}</code>" + (f" ({esc(f.node)})" if f.node else "")
+        rows.append([esc(f.where), linker.link(what, linker.fallback(f)), esc(f.module or ""),
+                     f"<small>{esc(f.source)}</small>", esc(f.reason)])
     return ("<h4 style='margin:8px 0 2px'>Runs in PyTorch instead of onnxruntime</h4>"
-            + _table(["graph", "op", "module", "source", "why"], rows, 30))
+            + table(["graph", "op", "module", "source", "why"], rows, 30))
 
 
 def _summary(stage: Stage) -> str:
@@ -242,8 +121,8 @@ def _summary(stage: Stage) -> str:
         if k in skip:
             continue
         if isinstance(v, float):
-            v = _seconds(v) if k.endswith("_s") else f"{v:.6g}"
-        items.append(f"<b>{_e(k.replace('_', ' '))}</b>: {_e(v)}")
+            v = fmt_seconds(v) if k.endswith("_s") else f"{v:.6g}"
+        items.append(f"<b>{esc(k.replace('_', ' '))}</b>: {esc(v)}")
     return f"<p style='font-size:12px'>{' &middot; '.join(items)}</p>" if items else ""
 
 
@@ -253,19 +132,19 @@ def stage_html(stage: Stage) -> str:
     Example:
         >>> from IPython.display import HTML; HTML(stage_html(lab["split"]))   # doctest: +SKIP
     """
-    linker = _Linker(stage)
+    linker = Linker.for_stage(stage)
     index = stage.lab.stages.index(stage) + 1 if stage.lab is not None else ""
     head = (f"<div style='font-family:sans-serif;font-size:13px'><h3 style='margin:4px 0'>"
-            f"{index}{'. ' if index else ''}{_e(stage.title or stage.name)} {_badge(stage.status)} "
-            f"<small style='color:#666'><code>{_e(stage.name)}</code>"
-            f"{' &middot; ' + _seconds(stage.seconds) if stage.seconds is not None else ''}"
+            f"{index}{'. ' if index else ''}{esc(stage.title or stage.name)} {badge(stage.status)} "
+            f"<small style='color:#666'><code>{esc(stage.name)}</code>"
+            f"{' &middot; ' + fmt_seconds(stage.seconds) if stage.seconds is not None else ''}"
             f"{' &middot; ' + str(stage.total_ops) + ' ops' if stage.op_counts else ''}</small></h3>"
-            f"<p style='color:#444;margin:2px 0'>{_e(stage.description)}</p>")
+            f"<p style='color:#444;margin:2px 0'>{esc(stage.description)}</p>")
     parts = [head]
     if stage.error:
-        parts.append(f"<pre style='color:#cf222e;white-space:pre-wrap'>{_e(stage.error)}</pre>")
+        parts.append(f"<pre style='color:#cf222e;white-space:pre-wrap'>{esc(stage.error)}</pre>")
     if stage.notes:
-        items = "".join(f"<li>{_e(n)}</li>" for n in stage.notes)
+        items = "".join(f"<li>{esc(n)}</li>" for n in stage.notes)
         parts.append(f"<ul style='font-size:12px;margin:2px 0'>{items}</ul>")
     if stage.status == "pending":
         parts.append(f"<p style='font-size:12px'>Not run yet: <code>lab.run({stage.name!r})</code>.</p></div>")
@@ -275,9 +154,9 @@ def stage_html(stage: Stage) -> str:
         parts.append("<h4 style='margin:8px 0 2px'>Op counts</h4>" + _ops_table(stage))
     parts += [_activations_table(stage, linker), _fallbacks_table(stage, linker), _graphs_table(stage, linker)]
     if stage.timings:
-        rows = [[_e(k), _seconds(v)] for k, v in stage.timings.items()]
+        rows = [[esc(k), fmt_seconds(v)] for k, v in stage.timings.items()]
         parts.append("<details><summary style='font-size:12px'>Timings</summary>"
-                     + _table(["what", "time"], rows) + "</details>")
+                     + table(["what", "time"], rows) + "</details>")
     if not linker.active and stage.kind == "onnx" and stage.artifacts:
         parts.append(f"<p style='font-size:12px;color:#666'>Open a graph with <code>lab[{stage.name!r}].view()</code>; "
                      "table rows then link to their nodes.</p>")
@@ -296,19 +175,19 @@ def lab_html(lab: Lab) -> str:
         change = ""
         if s.diff is not None and s.status == "done":
             change = f"{s.diff.before} &rarr; {s.diff.after}" if s.diff.changed else "no change"
-        rows.append([str(i), f"<code>{_e(s.name)}</code>", _e(s.title), _badge(s.status),
-                     str(s.total_ops) if s.op_counts else "", change, _seconds(s.seconds),
-                     _e(s.error or (s.notes[0] if s.status == "skipped" and s.notes else ""))])
+        rows.append([str(i), f"<code>{esc(s.name)}</code>", esc(s.title), badge(s.status),
+                     str(s.total_ops) if s.op_counts else "", change, fmt_seconds(s.seconds),
+                     esc(s.error or (s.notes[0] if s.status == "skipped" and s.notes else ""))])
     meta = lab.meta
     inputs = ", ".join(meta.get("inputs", []))
     pending = next((s.name for s in lab.stages if s.status == "pending"), None)
-    hint = (f"Next: <code>lab.next()</code> runs <code>{_e(pending)}</code>; <code>lab.run()</code> runs all."
+    hint = (f"Next: <code>lab.next()</code> runs <code>{esc(pending)}</code>; <code>lab.run()</code> runs all."
             if pending else "All stages ran: display one with <code>lab['name']</code>, open its graph with "
             "<code>.view()</code>.")
     return (f"<div style='font-family:sans-serif;font-size:13px'><h3 style='margin:4px 0'>ortlab lab: "
-            f"{_e(meta.get('model', ''))}({_e(inputs)})</h3>"
-            f"<p style='font-size:12px;color:#666;margin:2px 0'>{_e(lab.folder)}</p>"
-            + _table(["#", "stage", "", "status", "ops", "change", "time", "note"], rows)
+            f"{esc(meta.get('model', ''))}({esc(inputs)})</h3>"
+            f"<p style='font-size:12px;color:#666;margin:2px 0'>{esc(lab.folder)}</p>"
+            + table(["#", "stage", "", "status", "ops", "change", "time", "note"], rows)
             + f"<p style='font-size:12px'>{hint}</p></div>")
 
 
@@ -354,7 +233,7 @@ class StepperWidget:
         try:
             stage = step()
         except Exception as e:  # every stage ran, or an earlier one failed: say so in the page
-            self.body.value = f"<pre style='color:#cf222e'>{_e(e)}</pre>"
+            self.body.value = f"<pre style='color:#cf222e'>{esc(e)}</pre>"
             stage = None
         finally:
             self.next_button.disabled = self.all_button.disabled = self.lab.done
@@ -377,7 +256,7 @@ class StepperWidget:
             self.viewer.value = view._repr_html_()
             self.body.value = stage_html(stage)  # rows now link into the view
         except Exception as e:  # missing netron, unreadable file: show why
-            self.viewer.value = f"<pre style='color:#cf222e'>{_e(e)}</pre>"
+            self.viewer.value = f"<pre style='color:#cf222e'>{esc(e)}</pre>"
 
 
 def stepper(lab: Lab) -> Any:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import gc
 import html
+import os
 import re
 import urllib.parse
 
+import onnx
+
+import ortlab
 from ortlab.inspect.explore import explore
 from ortlab.inspect.profile import NodeTime
 from ortlab.models import TinyMLP, make_batch
 from ortlab.ui import netron_view
+from ortlab.ui._module_graphs import graph_files
 from ortlab.ui.kernel_table import kernel_table
 
 
@@ -60,4 +66,37 @@ def test_kernel_rows_link_to_their_node(tmp_path):
         assert "No kernel profile" in kernel_table(empty, lab)._repr_html_()
     finally:
         lab.close()
+        netron_view.stop_default_server()
+
+
+def test_monitor_kernel_table_links_to_the_modules_own_graphs():
+    """No lab: the monitor's module's graphs are written once, shown under the table, rows linked."""
+    model = ortlab.ORTModule(TinyMLP())
+    mon = ortlab.monitor(model, every=2, show=False)
+    for step in range(6):
+        if step == 1:
+            mon.profile_now()
+        model(*make_batch("tiny", 4)).sum().backward()
+    mon.detach()
+    try:
+        table = mon.kernel_table(top=50)
+        assert table.rows and all(url for _, url in table.rows)
+        links = _links(page := table._repr_html_())
+        files = dict(graph_files(model))
+        assert set(files) == {"g0.forward", "g0.backward"}
+        for record, url in table.rows:
+            query = urllib.parse.parse_qs(urllib.parse.urlparse(url).query)
+            assert query["file"] == [os.path.basename(files[record.graph])]
+            # onnxruntime's names (fused node_addmm, node_mm/MatmulTransposeFusion/) map back to the exported node
+            exported = {n.name for n in onnx.load(files[record.graph]).graph.node}
+            assert query["node"][0] in exported and links[record.node]["node"] == query["node"]
+        target = re.search(r"<a href='[^']+' target='([^']+)'", page).group(1)
+        assert f'<iframe name="{target}"' in page  # the view the links open in, right under the table
+        assert graph_files(model) == list(files.items())  # written once
+        assert "<iframe" not in kernel_table(mon, height=0)._repr_html_()
+        root = os.path.dirname(os.path.dirname(files["g0.forward"]))
+        del table, mon, model
+        gc.collect()
+        assert not os.path.exists(root)  # the temp folder goes with the module
+    finally:
         netron_view.stop_default_server()
