@@ -6,12 +6,15 @@ Applying calls ``ORTModule.reconfigure`` (the engine re-captures with the new
 choice), then runs one measuring step on the example inputs and puts gradients and
 buffers back, so the user's training is not disturbed: the next training step uses
 the new choice.
+
+Each row (a saved activation, an op) links to its node in the module's own graphs
+(``ortlab.ui._module_graphs``), shown in a netron view under the table: the node's
+nn.Module and source line are in netron's sidebar.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import html
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,6 +25,8 @@ import torch
 from ortlab.capture.provenance import module_path, op_name
 from ortlab.ortmodule import ORTModule
 from ortlab.partition.recompute import RecomputePlan
+from ortlab.ui._html import esc, fmt_bytes
+from ortlab.ui._links import Linker
 
 __all__ = ["RecomputeToggles", "FallbackToggles", "ApplyResult", "OpRow"]
 
@@ -31,6 +36,36 @@ PRESETS = ("none", "auto", "layerwise")
 def _LABELLED(w: Any) -> dict[str, Any]:  # noqa: N802 - reads as a constant at the call sites
     """Checkbox settings that show the whole description (ipywidgets clips it by default)."""
     return {"layout": w.Layout(width="auto"), "style": {"description_width": "initial"}}
+
+
+_VIEW_HEIGHT = 600  # the netron view under a toggles table
+
+
+def _cells(values: list[str], widths: list[int]) -> str:
+    """One table row of a widget: ``values`` (already HTML) in columns ``widths`` (px) wide."""
+    spans = "".join(f"<span style='display:inline-block;width:{w}px;overflow:hidden;text-overflow:ellipsis;"
+                    f"white-space:nowrap;vertical-align:top;padding-right:6px'>{v}</span>" for v, w in zip(values, widths))
+    return f"<div style='font-size:12px;line-height:28px'>{spans}</div>"
+
+
+def _header(names: list[str], widths: list[int]) -> str:
+    """The header of a widget table, over the rows' checkbox column."""
+    return f"<div style='padding-left:28px'>{_cells([f'<b>{esc(n)}</b>' for n in names], widths)}</div>"
+
+
+def _table_box(w: Any, rows: list[Any]) -> Any:
+    return w.VBox(rows, layout=w.Layout(max_height="320px", overflow="auto", display="block"))
+
+
+def _viewer(linker: Linker, urls: list[str | None]) -> str:
+    """The netron view the rows' links open in, showing the first linked row's node."""
+    return linker.viewer(next((u for u in urls if u), None), _VIEW_HEIGHT)
+
+
+def _linker(om: ORTModule) -> Linker:
+    from ortlab.ui._module_graphs import module_linker
+
+    return module_linker(om)
 
 
 @dataclasses.dataclass
@@ -156,20 +191,38 @@ class RecomputeToggles:
     def rows(self) -> list[dict[str, object]]:
         return [dataclasses.asdict(a) for a in self.plan.activations]
 
+    def urls(self, linker: Linker | None = None) -> dict[str, str | None]:
+        """Each saved activation's node in netron (the module's own graphs), by name; None where none."""
+        linker = linker or _linker(self.run.om)
+        index = next(c.index for c in self.run.om.report.captures if c.plan is self.plan)
+        return {a.name: linker.fx_node(f"g{index}.forward", a.name) or linker.fx_node(f"g{index}.backward", a.name)
+                for a in self.plan.activations}
+
     def widget(self) -> Any:
-        """An ipywidgets view: presets, one checkbox per saved activation, Apply."""
+        """An ipywidgets view: presets, one checkbox per saved activation (its name linked to
+        netron), Apply, and the netron view the links open in."""
         import ipywidgets as w
 
+        linker = _linker(self.run.om)
+        widths = [130, 150, 90, 70, 80, 130]
         presets = w.ToggleButtons(options=list(PRESETS), value=self.pending if isinstance(self.pending, str) else None)
         boxes: dict[str, Any] = {}
+        cells: dict[str, Any] = {}
+
+        def row_html(a: Any, url: str | None) -> str:
+            return _cells([linker.link(f"<code>{esc(a.name)}</code>", url), f"<code>{esc(a.op)}</code>",
+                           esc("x".join(map(str, a.shape)) or "scalar"), esc(a.dtype), fmt_bytes(a.bytes),
+                           esc(a.module or "<root>")], widths)
+
+        urls = self.urls(linker)
         rows = []
         for a in self.plan.activations:
-            label = f"{a.name}  {a.op}  {'x'.join(map(str, a.shape))}  {a.dtype}  {a.bytes:,} B  {a.module or '-'}"
-            box = w.Checkbox(value=a.recomputed, description=label, indent=False, **_LABELLED(w))
-            boxes[a.name] = box
-            rows.append(w.HBox([box]))
+            boxes[a.name] = w.Checkbox(value=a.recomputed, indent=False, layout=w.Layout(width="28px"))
+            cells[a.name] = w.HTML(row_html(a, urls[a.name]))
+            rows.append(w.HBox([boxes[a.name], cells[a.name]]))
         status = w.HTML(self._summary())
         apply = w.Button(description="Apply", button_style="primary")
+        viewer = w.HTML(_viewer(linker, list(urls.values())))
 
         def on_preset(change: dict) -> None:
             if change["new"]:
@@ -181,21 +234,26 @@ class RecomputeToggles:
         def on_apply(_: object) -> None:
             status.value = "<i>re-capturing and measuring...</i>"
             result = self.apply()
+            linker.forget()  # the module re-captured: new graphs
+            new_urls = self.urls(linker)
             for a in self.plan.activations:
                 if a.name in boxes:
                     boxes[a.name].value = a.recomputed
-            status.value = self._summary() + f"<br><b>{html.escape(str(result))}</b>"
+                    cells[a.name].value = row_html(a, new_urls.get(a.name))
+            viewer.value = _viewer(linker, list(new_urls.values()))
+            status.value = self._summary() + f"<br><b>{esc(result)}</b>"
 
         presets.observe(on_preset, names="value")
         for name, box in boxes.items():
             box.observe(on_box(name), names="value")
         apply.on_click(on_apply)
-        table = w.VBox(rows, layout=w.Layout(max_height="320px", overflow="auto", display="block"))
-        return w.VBox([w.HTML("<b>Saved activations</b> (checked = recomputed in the backward)"), presets, table, apply, status])
+        title = w.HTML("<b>Saved activations</b> (checked = recomputed in the backward; a name opens its node in netron)")
+        header = w.HTML(_header(["name", "op", "shape", "dtype", "bytes", "module"], widths))
+        return w.VBox([title, presets, header, _table_box(w, rows), apply, status, viewer])
 
     def _summary(self) -> str:
         p = self.plan
-        return f"policy <code>{html.escape(p.policy)}</code>: {len(p.recomputed)} recomputed, {p.saved_bytes:,} bytes saved (without recompute {p.baseline_bytes:,})"
+        return f"policy <code>{esc(p.policy)}</code>: {len(p.recomputed)} recomputed, {p.saved_bytes:,} bytes saved (without recompute {p.baseline_bytes:,})"
 
     def _ipython_display_(self) -> None:
         from IPython.display import display
@@ -212,6 +270,7 @@ class OpRow:
     count: int
     where: str
     reason: str = ""
+    nodes: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (graph label, FX node)
 
 
 class FallbackToggles:
@@ -231,8 +290,10 @@ class FallbackToggles:
         """Every op type per module across the captured graphs, with its placement."""
         counts: Counter[tuple[str, str]] = Counter()
         torch_reason: dict[tuple[str, str], str] = {}
+        nodes: dict[tuple[str, str], list[tuple[str, str]]] = {}
         for capture in self.run.om.report.captures:
             for graph in capture.graphs:
+                label = f"g{capture.index}.{graph.name}"
                 fell = {f.node: f.reason for f in graph.fallbacks if f.scope == "op"}
                 whole = next((f.reason for f in graph.fallbacks if f.scope == "graph"), None)
                 if graph.graph_module is None:
@@ -242,13 +303,20 @@ class FallbackToggles:
                         continue
                     key = (op_name(node), module_path(node))
                     counts[key] += 1
+                    nodes.setdefault(key, []).append((label, node.name))
                     reason = whole or fell.get(node.name)
                     if reason:
                         torch_reason[key] = reason
         return [
-            OpRow(op, module, n, "PyTorch" if (op, module) in torch_reason else "onnxruntime", torch_reason.get((op, module), ""))
+            OpRow(op, module, n, "PyTorch" if (op, module) in torch_reason else "onnxruntime",
+                  torch_reason.get((op, module), ""), nodes[(op, module)])
             for (op, module), n in sorted(counts.items(), key=lambda kv: (kv[0][1], kv[0][0]))
         ]
+
+    @staticmethod
+    def url(row: OpRow, linker: Linker) -> str | None:
+        """The row's first node in netron (for an op that runs in PyTorch: the partition reading its value)."""
+        return next((url for label, name in row.nodes if (url := linker.fx_node(label, name))), None)
 
     def send(self, op: str, module: str | None = None, to_pytorch: bool = True) -> None:
         """Mark ``op`` (within ``module`` if given) for PyTorch, or back to onnxruntime."""
@@ -265,34 +333,45 @@ class FallbackToggles:
         return self.rows()
 
     def widget(self) -> Any:
+        """An ipywidgets view: one checkbox per op type and module (the op linked to its first
+        node in netron), where it runs and why, Apply, and the netron view the links open in."""
         import ipywidgets as w
 
+        linker = _linker(self.run.om)
+        widths = [170, 40, 140, 90, 330]
         status = w.HTML()
-        grid = w.VBox(layout=w.Layout(max_height="360px", overflow="auto", display="block"))
+        grid = _table_box(w, [])
+        viewer = w.HTML()
 
         def render() -> None:
-            items = []
+            items, urls = [], []
             for row in self.rows():
                 pending = f"{row.op}@{row.module}" in self.pending or row.op in self.pending
-                label = f"{row.op} x{row.count} in {row.module or '<root>'}"
-                box = w.Checkbox(value=pending, description=label, indent=False, **_LABELLED(w))
+                box = w.Checkbox(value=pending, indent=False, layout=w.Layout(width="28px"))
                 box.observe(lambda ch, r=row: self.send(r.op, r.module or None, ch["new"]), names="value")
+                urls.append(self.url(row, linker))
                 color = "#b00" if row.where == "PyTorch" else "#070"
-                text = f"<span style='color:{color}'>{row.where}</span> {html.escape(row.reason)}"
+                text = _cells([linker.link(f"<code>{esc(row.op)}</code>", urls[-1]), f"x{row.count}",
+                               esc(row.module or "<root>"), f"<span style='color:{color}'>{row.where}</span>",
+                               f"<span title='{esc(row.reason)}'>{esc(row.reason)}</span>"], widths)
                 items.append(w.HBox([box, w.HTML(text)]))
             grid.children = items
-            status.value = f"fallback_ops = <code>{html.escape(repr(self.pending))}</code>"
+            viewer.value = _viewer(linker, urls)
+            status.value = f"fallback_ops = <code>{esc(repr(self.pending))}</code>"
 
         apply = w.Button(description="Apply", button_style="primary")
 
         def on_apply(_: object) -> None:
             status.value = "<i>re-capturing...</i>"
             self.apply()
+            linker.forget()  # the module re-captured: new graphs
             render()
 
         apply.on_click(on_apply)
         render()
-        return w.VBox([w.HTML("<b>Ops</b> (checked = send to PyTorch)"), grid, apply, status])
+        title = w.HTML("<b>Ops</b> (checked = send to PyTorch; an op opens its first node in netron)")
+        header = w.HTML(_header(["op", "count", "module", "runs in", "why"], widths))
+        return w.VBox([title, header, grid, apply, status, viewer])
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

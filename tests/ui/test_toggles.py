@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import copy
+import html
+import re
+import urllib.parse
 
 import pytest
 import torch
 
 import ortlab
 from ortlab.models import GPT, GPTConfig, make_batch
+from ortlab.ui import netron_view
 from ortlab.ui.toggles import FallbackToggles, RecomputeToggles
+
+
+def _query(url: str) -> dict[str, str]:
+    return {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlparse(html.unescape(url)).query).items()}
+
+
+def _link(cell: str) -> tuple[str, str, str] | None:
+    """(text, url, target) of the link in a row's HTML, or None."""
+    m = re.search(r"<a href='([^']+)' target='([^']+)'[^>]*>(.*?)</a>", cell)
+    return (re.sub(r"<[^>]+>", "", m.group(3)), html.unescape(m.group(1)), m.group(2)) if m else None
 
 
 @pytest.fixture()
@@ -47,15 +61,30 @@ def test_recompute_presets_and_rows(gpt_and_batch):
         toggles.preset("everything")
 
 
-def test_recompute_widget_apply_updates_checkboxes(gpt_and_batch):
+def test_recompute_widget_links_rows_and_apply_updates_them(gpt_and_batch):
     model, batch = gpt_and_batch
     toggles = RecomputeToggles(ortlab.ORTModule(copy.deepcopy(model)), *batch)
+    urls = toggles.urls()
+    assert set(urls) == {a.name for a in toggles.plan.activations} and all(urls.values())
+    gelu = next(a for a in toggles.plan.activations if a.op == "aten.gelu")
+    assert _query(urls[gelu.name])["node"] == f"node_{gelu.name}" and "forward" in _query(urls[gelu.name])["file"]
     view = toggles.widget()
-    presets, table, apply, status = view.children[1], view.children[2], view.children[3], view.children[4]
+    presets, header, table, apply, status, viewer = view.children[1:]
+    assert "module" in header.value and "bytes" in header.value
+    # Each row: its checkbox, and its name linked to the node, opening in the view under the table.
+    text, url, target = _link(table.children[0].children[1].value)
+    assert text == toggles.plan.activations[0].name and url == urls[text]
+    assert f'name="{target}"' in viewer.value and html.escape(url) in viewer.value
+    assert "color:inherit" in table.children[0].children[1].value  # the link looks like a link
     presets.value = "layerwise"
     apply.click()
     checked = [row.children[0].value for row in table.children]
     assert any(checked) and "layerwise" in status.value and "-&gt;" in status.value
+    # The module re-captured: rows link into the new graphs (the old files stay for links shown before).
+    text, new_url, _ = _link(next(r.children[1].value for r in table.children if gelu.name in r.children[1].value))
+    assert text == gelu.name and _query(new_url)["file"] != _query(urls[gelu.name])["file"]
+    server = netron_view.running_default_server()
+    assert server is not None and server.path_of(_query(urls[gelu.name])["file"]) is not None
 
 
 def test_fallback_toggles_send_and_back(gpt_and_batch):
@@ -72,8 +101,20 @@ def test_fallback_toggles_send_and_back(gpt_and_batch):
     assert placed[("aten.gelu", "blocks.0")].where == "PyTorch"
     assert "fallback_ops" in placed[("aten.gelu", "blocks.0")].reason
     assert placed[("aten.gelu", "blocks.1")].where == "onnxruntime"
+    # Rows link to their first node; an op in PyTorch to its value, read by the next partition.
+    from ortlab.ui._module_graphs import module_linker
+
+    linker = module_linker(om)
+    assert placed[("aten.gelu", "blocks.1")].nodes[0] == ("g0.forward", "gelu_1")
+    assert _query(toggles.url(placed[("aten.gelu", "blocks.1")], linker))["node"] == "node_gelu_1"
+    moved = _query(toggles.url(placed[("aten.gelu", "blocks.0")], linker))
+    assert moved["node"] == "gelu" and "forward_fused" in moved["file"]
     toggles.send("aten.gelu", module="blocks.0", to_pytorch=False)
     rows = toggles.apply()
     assert all(r.where == "onnxruntime" for r in rows if r.op == "aten.gelu")
     view = toggles.widget()
-    assert len(view.children[1].children) == len(rows)
+    grid, viewer = view.children[2], view.children[-1]
+    assert len(grid.children) == len(rows)
+    linked = [_link(row.children[1].value) for row in grid.children]
+    assert sum(1 for x in linked if x) > len(rows) // 2  # ops onnxscript folded away have no node
+    assert all(f'name="{x[2]}"' in viewer.value for x in linked if x)
