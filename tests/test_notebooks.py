@@ -28,6 +28,10 @@ def text_of(nb: nbformat.NotebookNode) -> str:
     return "\n".join(out)
 
 
+def html_of(nb: nbformat.NotebookNode) -> str:
+    return "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
+
+
 def test_quickstart():
     nb, seconds = run("quickstart.ipynb")
     text = text_of(nb)
@@ -39,6 +43,8 @@ def test_quickstart():
     assert after * 2 <= before
     worst = float(re.search(r"largest gradient difference ([\d.e+-]+)", text).group(1))
     assert worst < 1e-4
+    kernels = html_of(nb).split("Slowest onnxruntime kernels")[1]  # mon.kernel_table(): linked, with its view
+    assert "title='open in netron'" in kernels and "<iframe" in kernels
 
 
 def test_stages_and_graphs():
@@ -47,8 +53,7 @@ def test_stages_and_graphs():
     assert seconds < 180
     for stage in ("captured", "joint", "split", "exported", "onnxscript", "ort_basic", "ort_extended", "ort_all", "step"):
         assert f"('{stage}', 'done')" in text
-    html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells for o in c.get("outputs", []))
-    assert "<iframe" in html or "IFrame" in text  # the netron view
+    assert "<iframe" in html_of(nb) or "IFrame" in text  # the netron view
 
 
 def test_memory_and_recompute():
@@ -65,6 +70,8 @@ def test_performance():
     text = text_of(nb)
     assert seconds < 180
     assert re.search(r"steps recorded: (39|40)", text)
+    kernels = html_of(nb).split("Slowest onnxruntime kernels")[1]
+    assert kernels.count("title='open in netron'") == 10 and "<iframe" in kernels
     assert re.search(r"\d+ ops; \d+ op groups in PyTorch", text)
 
 

@@ -14,6 +14,10 @@ one is open. Kernel names are onnxruntime's (``fused node_addmm``,
 ``node_mm_3/MatmulTransposeFusion/``): the profile reader keeps the exported node's name
 (``ortlab.inspect.profile.onnx_node_name``), and nodes onnxruntime made
 (``node_view_3_new_reshape``) are found through the FX node their provenance names.
+Links lead into the graphs the module runs now: after a re-capture (``reconfigure``)
+a kernel of an earlier profile links to the node of the same name there, which is
+the same op (node names come from the joint graph's FX names, which recompute and
+fallback choices keep), or to nothing when that node is gone.
 """
 
 from __future__ import annotations
