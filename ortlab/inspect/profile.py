@@ -207,8 +207,9 @@ def parse_profile(
             acc[2] += 1
     records = []
     for node, (op_type, dur, count, provider) in totals.items():
-        prov = provenance.get(node) or _by_prefix(node, provenance)
-        if prov is None:
+        known = provenance.get(node)
+        prov = known if known and any(known.values()) else _by_prefix(node, provenance)
+        if prov is None:  # made by onnxruntime, or by onnxscript's optimizer without metadata (``n0``)
             prov = {"fx_node": "", "module": UNKNOWN_MODULE if provenance else "", "op": "", "source": ""}
         records.append(
             NodeTime(node=node, op_type=op_type, dur_us=dur, count=count, graph=graph, provider=provider, **prov)
@@ -235,8 +236,8 @@ def _end_of_runs(events: Sequence[dict], skip_runs: int) -> float:
 def _by_prefix(node: str, provenance: dict[str, dict[str, str]]) -> dict[str, str] | None:
     """Provenance of a node onnxruntime added next to an exported one (``node_Reshape_3_new_reshape``)."""
     best = ""
-    for name in provenance:
-        if len(name) > len(best) and node.startswith(name + "_"):
+    for name, prov in provenance.items():
+        if len(name) > len(best) and node.startswith(name + "_") and any(prov.values()):
             best = name
     return provenance[best] if best else None
 

@@ -116,14 +116,16 @@ def test_unknown_nodes_are_marked_and_prefix_matched():
         {"cat": "Node", "name": "node_mm_kernel_time", "dur": 10, "args": {"op_name": "MatMul"}},
         {"cat": "Node", "name": "node_mm_new_reshape_kernel_time", "dur": 2, "args": {"op_name": "Reshape"}},
         {"cat": "Node", "name": "made_up_kernel_time", "dur": 3, "args": {"op_name": "Cast"}},
+        {"cat": "Node", "name": "n0_kernel_time", "dur": 1, "args": {"op_name": "Erf"}},
         {"cat": "Node", "name": "node_mm_fence_before", "dur": 0, "args": {}},
         {"cat": "Session", "name": "model_run", "dur": 20, "ts": 0},
     ]
-    prov = {"node_mm": {"fx_node": "mm", "module": "head", "op": "aten.mm", "source": "m.py:1 in f"}}
+    prov = {"node_mm": {"fx_node": "mm", "module": "head", "op": "aten.mm", "source": "m.py:1 in f"},
+            "n0": {"fx_node": "", "module": "", "op": "", "source": ""}}  # onnxscript's, without metadata
     records = {r.node: r for r in parse_profile(events, provenance=prov)}
-    assert set(records) == {"node_mm", "node_mm_new_reshape", "made_up"}
+    assert set(records) == {"node_mm", "node_mm_new_reshape", "made_up", "n0"}
     assert records["node_mm_new_reshape"].module == "head"  # added by onnxruntime next to node_mm
-    assert records["made_up"].module == "<unknown>"
+    assert records["made_up"].module == "<unknown>" and records["n0"].module == "<unknown>"  # not the root module
 
 
 def _records() -> list[NodeTime]:
