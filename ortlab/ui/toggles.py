@@ -27,6 +27,7 @@ from ortlab.ortmodule import ORTModule
 from ortlab.partition.recompute import RecomputePlan
 from ortlab.ui._html import esc, fmt_bytes
 from ortlab.ui._links import Linker
+from ortlab.ui.netron_view import HEIGHT
 
 __all__ = ["RecomputeToggles", "FallbackToggles", "ApplyResult", "OpRow"]
 
@@ -36,9 +37,6 @@ PRESETS = ("none", "auto", "layerwise")
 def _LABELLED(w: Any) -> dict[str, Any]:  # noqa: N802 - reads as a constant at the call sites
     """Checkbox settings that show the whole description (ipywidgets clips it by default)."""
     return {"layout": w.Layout(width="auto"), "style": {"description_width": "initial"}}
-
-
-_VIEW_HEIGHT = 600  # the netron view under a toggles table
 
 
 def _cells(values: list[str], widths: list[int]) -> str:
@@ -53,13 +51,20 @@ def _header(names: list[str], widths: list[int]) -> str:
     return f"<div style='padding-left:28px'>{_cells([f'<b>{esc(n)}</b>' for n in names], widths)}</div>"
 
 
+def _name(linker: Linker, text: str, url: str | None) -> str:
+    """A row's name linked to its node; without one (folded or optimized away), a tooltip says so."""
+    if url is None and linker.active:
+        return f"<span title='no node of its own in the graphs onnxruntime runs (optimized away)'>{text}</span>"
+    return linker.link(text, url)
+
+
 def _table_box(w: Any, rows: list[Any]) -> Any:
     return w.VBox(rows, layout=w.Layout(max_height="320px", overflow="auto", display="block"))
 
 
 def _viewer(linker: Linker, urls: list[str | None]) -> str:
     """The netron view the rows' links open in, showing the first linked row's node."""
-    return linker.viewer(next((u for u in urls if u), None), _VIEW_HEIGHT)
+    return linker.viewer(next((u for u in urls if u), None), HEIGHT)
 
 
 def _linker(om: ORTModule) -> Linker:
@@ -204,13 +209,13 @@ class RecomputeToggles:
         import ipywidgets as w
 
         linker = _linker(self.run.om)
-        widths = [130, 150, 90, 70, 80, 130]
+        widths = [130, 190, 90, 70, 80, 130]
         presets = w.ToggleButtons(options=list(PRESETS), value=self.pending if isinstance(self.pending, str) else None)
         boxes: dict[str, Any] = {}
         cells: dict[str, Any] = {}
 
         def row_html(a: Any, url: str | None) -> str:
-            return _cells([linker.link(f"<code>{esc(a.name)}</code>", url), f"<code>{esc(a.op)}</code>",
+            return _cells([_name(linker, f"<code>{esc(a.name)}</code>", url), f"<code>{esc(a.op)}</code>",
                            esc("x".join(map(str, a.shape)) or "scalar"), esc(a.dtype), fmt_bytes(a.bytes),
                            esc(a.module or "<root>")], widths)
 
@@ -351,7 +356,7 @@ class FallbackToggles:
                 box.observe(lambda ch, r=row: self.send(r.op, r.module or None, ch["new"]), names="value")
                 urls.append(self.url(row, linker))
                 color = "#b00" if row.where == "PyTorch" else "#070"
-                text = _cells([linker.link(f"<code>{esc(row.op)}</code>", urls[-1]), f"x{row.count}",
+                text = _cells([_name(linker, f"<code>{esc(row.op)}</code>", urls[-1]), f"x{row.count}",
                                esc(row.module or "<root>"), f"<span style='color:{color}'>{row.where}</span>",
                                f"<span title='{esc(row.reason)}'>{esc(row.reason)}</span>"], widths)
                 items.append(w.HBox([box, w.HTML(text)]))
