@@ -55,6 +55,10 @@ def lab(tmp_path_factory) -> Iterator[JupyterLab]:
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false", "checkForUpdates": False}))
+    # Render every cell, not only those in sight: the tests read all outputs' text.
+    tracker = tmp_path / "settings" / "@jupyterlab" / "notebook-extension"
+    tracker.mkdir(parents=True)
+    (tracker / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     port, token = _free_port(), "ortlab-test"
     env = {**os.environ, "JUPYTERLAB_SETTINGS_DIR": str(tmp_path / "settings"),
            "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces")}
@@ -152,12 +156,13 @@ def test_quickstart_renders_in_jupyterlab(lab, browser):
     assert frames >= 1 and "127.0.0.1" in (netron_src or "") or "/proxy/" in (netron_src or "")
 
 
-# A small model, trained with a kernel profile, and a lab of it whose graph view is open:
-# the saved-activation table (lab["split"]) and the slow-kernel table then link to nodes.
+# A small model, trained with a kernel profile, and a lab of it whose graph view is open: the
+# saved-activation table (lab["split"]) links into the lab's view; the monitor's kernel table and
+# the recompute toggles link into the trained module's own graphs, shown under each table.
 _LINKS_NOTEBOOK = [
     """import torch, ortlab
 from ortlab.models import GPT, GPTConfig, make_batch
-from ortlab.ui.kernel_table import kernel_table
+from ortlab.ui.toggles import FallbackToggles, RecomputeToggles
 torch.manual_seed(0)
 config = GPTConfig(vocab=100, d_model=32, n_heads=2, n_layers=1, block_size=16)
 model = ortlab.ORTModule(GPT(config))
@@ -170,9 +175,11 @@ for step in range(8):
 mon.detach()
 lab = ortlab.explore(GPT(config), idx, targets)
 lab.run("exported")
-lab["exported"].view(height=760)""",
+lab["exported"].view()""",
     'lab["split"]',
-    "kernel_table(mon, lab, top=20)",
+    "mon.kernel_table(top=20)",
+    "RecomputeToggles(model, idx, targets)",
+    "FallbackToggles(model, idx, targets)",
 ]
 
 
@@ -210,23 +217,13 @@ def _frame_at(page: Any, name: str, url: str, timeout: float = 30) -> Any:
                 f"(it shows {frame and frame.url}; other tabs {others})")
 
 
-def _open_from_row(page: Any, table: str, graph: str, shot: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Click the first link to a node of ``graph`` outside the root module in the table headed ``table``.
+def _open(page: Any, link: Any, cells: dict[str, str], shot: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Click ``link`` (in a row whose cells are ``cells``), wait for netron to select its node.
 
-    Waits for netron to select the node. Returns the row as {header: text} (with
-    ``node``: the node the link selects) and netron's sidebar; saves screenshots of the
-    table (``table-<shot>``) and of the netron frame (``shot``).
+    Returns the row (with ``node``: the node the link selects) and netron's sidebar; saves a
+    screenshot of the netron frame (``shot``) as the user sees it: the page scrolls the sidebar
+    to the node's source by itself, which must be in sight.
     """
-    heading = page.locator("h4", has_text=table).first
-    body = heading.locator("xpath=following-sibling::table[1]")
-    body.scroll_into_view_if_needed()
-    body.screenshot(path=str(ARTIFACTS / f"table-{shot}"))
-    rows = body.locator("tr")
-    headers = [h.strip() for h in rows.first.locator("th").all_inner_texts()]
-    row = rows.filter(has=page.locator("a[title='open in netron']")).filter(has_text=graph)
-    row = row.filter(has_not_text="<root>").first
-    link = row.locator("a[title='open in netron']").first
-    cells = dict(zip(headers, (c.strip() for c in row.locator("td").all_inner_texts())))
     url, frame_name = link.get_attribute("href"), link.get_attribute("target")
     node = urllib.parse.parse_qs(urllib.parse.urlparse(url).query)["node"][0]
     link.click()
@@ -234,22 +231,65 @@ def _open_from_row(page: Any, table: str, graph: str, shot: str) -> tuple[dict[s
     frame.locator("#sidebar-content").get_by_text(node, exact=True).first.wait_for(timeout=60_000)
     iframe = page.locator(f"iframe[name='{frame_name}']")
     iframe.scroll_into_view_if_needed()
-    frame.locator("#sidebar-content input[title='ortlab.source']").first.scroll_into_view_if_needed()
-    page.wait_for_timeout(500)  # the selection's scroll animation
+    page.wait_for_timeout(1000)  # the selection's scroll animation, and the sidebar's scroll to the source
     iframe.screenshot(path=str(ARTIFACTS / shot))
+    source = frame.locator("#sidebar-content input[title='ortlab.source']").first.bounding_box()
+    box = iframe.bounding_box()
+    assert source and box and box["y"] <= source["y"] and source["y"] + source["height"] <= box["y"] + box["height"], (
+        f"ortlab.source is out of sight in the {box and box['height']:.0f} px frame", source, box)
     return {**cells, "node": node}, _sidebar(frame)
+
+
+def _open_from_table(page: Any, table: str, graph: str, shot: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Open the first link to a node of ``graph`` outside the root module in the table headed ``table``."""
+    heading = page.locator("h4", has_text=table).first
+    body = heading.locator("xpath=following-sibling::table[1]")
+    body.scroll_into_view_if_needed()
+    page.wait_for_timeout(500)  # JupyterLab lays out the cells coming into view
+    body.screenshot(path=str(ARTIFACTS / f"table-{shot}"))
+    rows = body.locator("tr")
+    headers = [h.strip() for h in rows.first.locator("th").all_inner_texts()]
+    row = rows.filter(has=page.locator("a[title='open in netron']")).filter(has_text=graph)
+    row = row.filter(has_not_text="<root>").first
+    cells = dict(zip(headers, (c.strip() for c in row.locator("td").all_inner_texts())))
+    return _open(page, row.locator("a[title='open in netron']").first, cells, shot)
+
+
+def _open_from_toggles(page: Any, shot: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Open the first saved activation outside the root module in the RecomputeToggles widget."""
+    widget = page.locator(".widget-vbox", has=page.get_by_text("Saved activations (checked")).last
+    header = widget.locator(".widget-html", has_text="dtype").first
+    headers = [h.strip() for h in header.locator("span").all_inner_texts()]
+    row = widget.locator(".widget-hbox").filter(has=page.locator("a[title='open in netron']"))
+    row = row.filter(has_not_text="<root>").first
+    row.scroll_into_view_if_needed()
+    page.wait_for_timeout(500)
+    widget.screenshot(path=str(ARTIFACTS / f"table-{shot}"))
+    cells = dict(zip(headers, (c.strip() for c in row.locator(".widget-html span").all_inner_texts())))
+    return _open(page, row.locator("a[title='open in netron']").first, cells, shot)
 
 
 def test_table_links_open_the_node_and_its_source_in_netron(lab, browser):
     (lab.root / "links.ipynb").write_text(_notebook(_LINKS_NOTEBOOK))
     page = browser.new_page(viewport={"width": 1400, "height": 1200})
     _run_all(page, lab, "links.ipynb", "Slowest onnxruntime kernels")
-    # A saved activation (made in the forward), then a slow kernel of the backward: the frame changes graph.
-    for table, graph, shot in (("Saved activations", "g0", "netron_activation.png"),
-                               ("Slowest onnxruntime kernels", "g0.backward", "netron_kernel.png")):
-        row, sidebar = _open_from_row(page, table, graph, shot)
+    page.get_by_text("Ops (checked").first.wait_for(timeout=120_000)
+    # A saved activation in the lab's view; a slow kernel of the backward and a saved activation
+    # of the trained module, each in the view under its table.
+    for opened, shot in ((lambda s: _open_from_table(page, "Saved activations", "g0", s), "netron_activation.png"),
+                         (lambda s: _open_from_table(page, "Slowest onnxruntime kernels", "g0.backward", s),
+                          "netron_kernel.png"),
+                         (lambda s: _open_from_toggles(page, s), "netron_toggles.png")):
+        row, sidebar = opened(shot)
         # netron selected the row's node, and shows the nn.Module and the line that made it.
-        assert sidebar.get("name") == row["node"], (table, row, sidebar)
-        assert sidebar.get("ortlab.module") == row["module"], (table, row, sidebar)
-        assert sidebar.get("ortlab.source") == row["source"], (table, row, sidebar)
-        assert re.search(r"models\.py:\d+ in ", row["source"]), row
+        assert sidebar.get("name") == row["node"], (shot, row, sidebar)
+        assert sidebar.get("ortlab.module") == row["module"], (shot, row, sidebar)
+        assert "source" not in row or sidebar.get("ortlab.source") == row["source"], (shot, row, sidebar)
+        assert re.search(r"models\.py:\d+ in ", sidebar.get("ortlab.source", "")), (shot, sidebar)
+    page.screenshot(path=str(ARTIFACTS / "links.png"), full_page=True)
+    # The fallback toggles link their ops the same way.
+    ops = page.locator(".widget-vbox", has=page.get_by_text("Ops (checked")).last
+    ops.scroll_into_view_if_needed()
+    page.wait_for_timeout(500)
+    ops.screenshot(path=str(ARTIFACTS / "fallback_toggles.png"))
+    assert ops.locator(".widget-hbox a[title='open in netron']").count() > 10
