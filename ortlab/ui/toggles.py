@@ -34,11 +34,6 @@ __all__ = ["RecomputeToggles", "FallbackToggles", "ApplyResult", "OpRow"]
 PRESETS = ("none", "auto", "layerwise")
 
 
-def _LABELLED(w: Any) -> dict[str, Any]:  # noqa: N802 - reads as a constant at the call sites
-    """Checkbox settings that show the whole description (ipywidgets clips it by default)."""
-    return {"layout": w.Layout(width="auto"), "style": {"description_width": "initial"}}
-
-
 def _cells(values: list[str], widths: list[int]) -> str:
     """One table row of a widget: ``values`` (already HTML) in columns ``widths`` (px) wide."""
     spans = "".join(f"<span style='display:inline-block;width:{w}px;overflow:hidden;text-overflow:ellipsis;"
