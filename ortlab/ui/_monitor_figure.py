@@ -107,8 +107,8 @@ def figure(s: dict[str, tuple], status: str) -> Any:
     fig = make_subplots(
         rows=4, cols=2, specs=[[{}, {}], [{}, {}], [{"colspan": 2}, None], [{}, {}]],
         subplot_titles=("loss", "step time (ms)", "samples / s", "memory (MiB)",
-                        "slowest onnxruntime kernels (us / step)", "kernel time by op type (us / step)",
-                        "kernel time by module (us / step)"),
+                        "slowest onnxruntime kernels (us / step)", "by op type (us / step)",
+                        "by module (us / step)"),
         vertical_spacing=0.08, horizontal_spacing=0.22,
     )
     cells = {"loss": (1, 1), "step_ms": (1, 2), "profiled_step_ms": (1, 2), "kernel_ms": (1, 2),

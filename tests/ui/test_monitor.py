@@ -341,3 +341,13 @@ def test_monitor_overhead_is_under_five_percent():
     assert any(r["profiles"] >= 1 for r in results), results
     assert best["monitor_fraction"] <= 0.025, best
     assert best["overhead"] < 0.05, results
+
+
+def test_memory_keeps_coming_when_the_budget_is_spent():
+    """Drawing may be rationed, the memory curve is not: one reading every 10 * every steps at least."""
+    om = ortlab.ORTModule(LossMLP())
+    mon = monitor(om, every=2, show=False, profile=False, budget=1e-9)  # nothing fits the budget
+    _train(om, 45)
+    mon.close()
+    steps = [row["step"] for row in mon.data if "rss_bytes" in row]
+    assert len(steps) >= 2 and all(b - a <= 20 for a, b in zip(steps, steps[1:])), steps
