@@ -29,7 +29,7 @@ from torch._dynamo.utils import counters
 from ortlab._openmp import openmp_note
 from ortlab.capture.backend import OrtlabBackend
 from ortlab.config import DebugOptions, Options
-from ortlab.errors import CaptureError, DeviceError, FallbackError, OrtlabError, UnsupportedInputError
+from ortlab.errors import CaptureError, DeviceError, OrtlabError, UnsupportedInputError
 from ortlab.report import Fallback, Report, warn_fallback
 from ortlab.runtime.observe import GraphObserver
 

@@ -18,6 +18,7 @@ ops torchlib translates directly) and change it in three places, each a real gap
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ from torch.onnx._internal.exporter import _decomp, _registration
 __all__ = ["get_registry", "translated_ops", "is_translated", "decomposition_table", "sdpa_math", "convolution_backward"]
 
 aten = torch.ops.aten
+logger = logging.getLogger(__name__)
 
 # Ops whose torchlib translation gives wrong results; traced through torch's decomposition.
 _FORCE_DECOMPOSE = (
@@ -81,8 +83,6 @@ def translated_ops(cache_dir: str | None = None) -> frozenset[str]:
     """
     path = None
     if cache_dir:
-        import hashlib
-
         from ortlab.runtime.cache import library_versions  # runtime imports this module
 
         digest = hashlib.sha256(library_versions().encode()).hexdigest()[:16]

@@ -39,7 +39,6 @@ from torch._dynamo.utils import counters
 
 from ortlab.artifacts import StageWriter
 from ortlab.capture.backend import OrtlabBackend, torch_op_counts
-from ortlab.capture.provenance import op_name
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import OrtlabError, UnsupportedInputError, first_line
 from ortlab.inspect.stages import (

@@ -15,7 +15,6 @@ import logging
 import operator
 import re
 import shutil
-import time
 from collections.abc import Callable
 
 import onnx
