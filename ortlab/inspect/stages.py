@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from ortlab.errors import ConfigError, OrtlabError, first_line
+from ortlab.report import Fallback
 from ortlab.inspect._stage_files import fx_code_op_counts, onnx_node_index, onnx_op_counts, parse_stage_file
 
 __all__ = [
@@ -169,20 +170,13 @@ class ActivationRow:
 
 
 @dataclasses.dataclass
-class FallbackRow:
+class FallbackRow(Fallback):
     """Something that runs in PyTorch instead of onnxruntime, and why (see ``Fallback``).
 
     ``values`` names what a graph view can select for it: the node itself and the
     values it produces, which enter the next onnxruntime partition as inputs.
     """
 
-    scope: str
-    where: str
-    reason: str
-    node: str = ""
-    op: str = ""
-    module: str = ""
-    source: str = ""
     values: list[str] = dataclasses.field(default_factory=list)
 
 
