@@ -322,16 +322,21 @@ class Monitor:
         window = self._window
         if window is not None and window.active and n >= log.windows[-1][1]:
             profiling += self._stop_window()
-        # Memory readings cost ~7 us (RSS, the plan's saved bytes): when drawing has used up
-        # its share, still one every 10 * ``every`` steps, so the memory curve never stops.
+        # Memory readings cost ~7 us (RSS, the plan's saved bytes). When that is under 0.5% of
+        # the steps between readings they are always taken; otherwise when the budget allows,
+        # and at least every 10 * ``every`` steps: the memory curve never stops.
         since = n - self._last["memory"]
-        if since >= self.every and (since >= 10 * self.every or self._allowed("memory", "redraw")):
+        step_s = self._train_s / self._train_steps if self._train_steps else 0.0
+        cheap = self._cost["memory"] <= 0.005 * self.every * step_s
+        if since >= self.every and (cheap or since >= 10 * self.every or self._allowed("memory", "redraw")):
             start = time.perf_counter()
             reading = sample_memory(self.ortmodule).to_dict()
             reading["step"] = n
             log.memory.append(reading)
             self._last["memory"] = n
-            self._cost["memory"] = time.perf_counter() - start
+            took = time.perf_counter() - start
+            if len(log.memory) > 1:  # the first reading warms up (~120 us); then keep the lowest
+                self._cost["memory"] = min(self._cost["memory"], took) if self._cost["memory"] else took
         if not log.profiles and self._train_steps:
             # Before the first window, from the step time: its steps run ~40% slower, and
             # building the sessions and reading the profile take about a step each
