@@ -322,12 +322,12 @@ class Monitor:
         window = self._window
         if window is not None and window.active and n >= log.windows[-1][1]:
             profiling += self._stop_window()
-        # Memory readings cost ~7 us (RSS, the plan's saved bytes). When that is under 0.5% of
+        # Memory readings cost ~7 us (RSS, the plan's saved bytes). When that is under 1% of
         # the steps between readings they are always taken; otherwise when the budget allows,
         # and at least every 10 * ``every`` steps: the memory curve never stops.
         since = n - self._last["memory"]
         step_s = self._train_s / self._train_steps if self._train_steps else 0.0
-        cheap = self._cost["memory"] <= 0.005 * self.every * step_s
+        cheap = self._cost["memory"] <= 0.01 * self.every * step_s
         if since >= self.every and (cheap or since >= 10 * self.every or self._allowed("memory", "redraw")):
             start = time.perf_counter()
             reading = sample_memory(self.ortmodule).to_dict()

@@ -354,7 +354,7 @@ def test_memory_keeps_coming_when_the_budget_is_spent():
 
 
 def test_cheap_memory_readings_come_every_n_steps_whatever_the_budget():
-    """At ~10 ms a step a ~7 us reading is far under 0.5% of the steps between readings."""
+    """At ~20 ms a step a ~7 us reading is far under 1% of the steps between readings."""
     import time
 
     om = ortlab.ORTModule(LossMLP())
@@ -362,7 +362,7 @@ def test_cheap_memory_readings_come_every_n_steps_whatever_the_budget():
     x, y = _batch(16)
     for _ in range(13):
         om(x, y).backward()
-        time.sleep(0.01)
+        time.sleep(0.02)
     mon.close()
     steps = [row["step"] for row in mon.data if "rss_bytes" in row]
     assert len(steps) >= 5 and all(b - a == 2 for a, b in zip(steps, steps[1:])), steps
