@@ -37,6 +37,20 @@ def randn(step: int, *shape: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- reference models
+class TanhNet(nn.Module):
+    """Linear-tanh-Linear on 6 features, for the stage and stepper tests; ``reduce`` sums the output."""
+
+    def __init__(self, reduce: bool = True) -> None:
+        super().__init__()
+        self.reduce = reduce
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        return out.sum() if self.reduce else out
+
+
 def tiny_mlp() -> tuple[nn.Module, InputsFn]:
     def inputs(step: int = 0, batch: int = 8) -> tuple[tuple, dict]:
         x, y = make_batch("tiny", batch, gen(step))

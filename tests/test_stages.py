@@ -9,24 +9,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from torch import nn
 
 import ortlab
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8)
-        self.fc2 = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
+from models import TanhNet  # tests/models.py (conftest puts tests/ on sys.path)
 
 
 def test_all_stages_saved_with_names(tmp_path):
     debug = ortlab.DebugOptions(save_onnx=True, onnx_prefix="net", save_path=str(tmp_path))
-    om = ortlab.ORTModule(Net(), debug_options=debug)
+    om = ortlab.ORTModule(TanhNet(reduce=False), debug_options=debug)
     om(torch.randn(4, 6)).sum().backward()
     om.eval()
     with torch.no_grad():
@@ -75,7 +65,7 @@ def test_env_vars_override_debug_options(tmp_path, monkeypatch):
     debug = ortlab.DebugOptions()
     assert debug.save_onnx and debug.onnx_prefix == "envnet" and debug.log_level == ortlab.LogLevel.INFO
     assert set(debug.from_env) == {"ORTLAB_SAVE_ONNX", "ORTLAB_ONNX_PREFIX", "ORTLAB_SAVE_PATH", "ORTLAB_LOG_LEVEL"}
-    om = ortlab.ORTModule(Net(), debug_options=debug)
+    om = ortlab.ORTModule(TanhNet(reduce=False), debug_options=debug)
     om(torch.randn(2, 6)).sum().backward()
     assert "envnet_forward_exported_train.onnx" in os.listdir(tmp_path / "stages")
 
@@ -91,7 +81,7 @@ def test_bad_debug_options_say_what_to_do(monkeypatch):
 
 
 def test_first_step_report_logged_at_info(caplog):
-    om = ortlab.ORTModule(Net(), debug_options=ortlab.DebugOptions(log_level="INFO"))
+    om = ortlab.ORTModule(TanhNet(reduce=False), debug_options=ortlab.DebugOptions(log_level="INFO"))
     with caplog.at_level(logging.INFO, logger="ortlab"):
         om(torch.randn(2, 6)).sum().backward()
     text = "\n".join(r.getMessage() for r in caplog.records)

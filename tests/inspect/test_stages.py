@@ -24,16 +24,7 @@ from ortlab.inspect.stages import (
     onnx_node_index,
     parse_stage_file,
 )
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8)
-        self.fc2 = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x))).sum()
+from models import TanhNet  # tests/models.py (conftest puts tests/ on sys.path)
 
 
 class Broken(nn.Module):
@@ -53,13 +44,13 @@ BREAK_LINE = next(i for i, line in enumerate(open(__file__).read().splitlines(),
 
 @pytest.fixture(scope="module")
 def stepped(tmp_path_factory):
-    """A lab of Net stepped one stage at a time, with the statuses seen after each step.
+    """A lab of TanhNet stepped one stage at a time, with the statuses seen after each step.
 
     The whole lab runs here, before the per-test Dynamo reset of conftest.
     """
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = Net()
+    model = TanhNet()
     lab = explore(model, torch.randn(4, 6), folder=str(tmp_path_factory.mktemp("lab")))
     grads_before = [p.grad for p in model.parameters()]
     seen = []
@@ -152,7 +143,7 @@ def test_split_lists_saved_activations_with_their_onnx_node(stepped):
     assert split.activations, split
     act = next(a for a in split.activations if a.op == "aten.tanh")
     assert act.graph == "g0" and act.shape == [4, 8] and act.dtype == "float32" and act.bytes == 128
-    assert not act.recomputed and act.source.endswith("in forward") and __file__ in act.source
+    assert not act.recomputed and act.source.endswith("in forward") and TanhNet.forward.__code__.co_filename in act.source
     index = onnx_node_index(lab["exported"].artifact("g0.forward"))
     assert act.onnx_node == index[act.name]
     assert split.summary["saved_bytes"] == split.summary["baseline_bytes"] == sum(a.bytes for a in split.activations)
@@ -174,7 +165,7 @@ def test_save_and_reload_round_trip(stepped, tmp_path):
     folder = lab.save(str(tmp_path / "saved"))
     again = Lab.load(folder)
     assert [s.to_dict() for s in again.stages] == [s.to_dict() for s in lab.stages]
-    assert again.meta["model"] == "Net" and again.meta["prefix"] == "net"
+    assert again.meta["model"] == "TanhNet" and again.meta["prefix"] == "tanhnet"
     for stage in again.stages:
         for label in stage.artifacts:
             assert stage.artifact(label).startswith(str(tmp_path)) and os.path.exists(stage.artifact(label))
@@ -190,7 +181,7 @@ def test_save_and_reload_round_trip(stepped, tmp_path):
 
 
 def test_reopened_lab_cannot_run_pending_stages(tmp_path):
-    lab = explore(Net(), torch.randn(2, 6), folder=str(tmp_path / "lab"))
+    lab = explore(TanhNet(), torch.randn(2, 6), folder=str(tmp_path / "lab"))
     lab.next()
     again = Lab.load(lab.save(str(tmp_path / "partial")))
     assert again["captured"].status == "done" and again["joint"].status == "pending"
@@ -199,7 +190,7 @@ def test_reopened_lab_cannot_run_pending_stages(tmp_path):
 
 
 def test_a_temporary_lab_is_deleted_on_close():
-    lab = explore(Net(), torch.randn(2, 6))
+    lab = explore(TanhNet(), torch.randn(2, 6))
     lab.next()
     assert os.path.exists(os.path.join(lab.folder, "lab.json"))
     lab.close()
@@ -224,7 +215,7 @@ def test_graph_breaks_are_shown_with_reasons(tmp_path):
 
 
 def test_no_grad_model_skips_the_joint_graph(tmp_path):
-    model = Net().requires_grad_(False)
+    model = TanhNet().requires_grad_(False)
     lab = explore(model, torch.randn(2, 6), folder=str(tmp_path / "lab"))
     lab.run()
     assert lab["captured"].summary["modes"] == ["eval"]

@@ -9,22 +9,12 @@ import urllib.request
 
 import pytest
 import torch
-from torch import nn
 
 from ortlab.inspect.explore import explore
 from ortlab.inspect.stages import ActivationRow, FallbackRow, GraphBreak, OpDiff, Stage
 from ortlab.ui import netron_view
 from ortlab.ui.stepper import StepperWidget, lab_html, stage_html
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(6, 8)
-        self.fc2 = nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x))).sum()
+from models import TanhNet  # tests/models.py (conftest puts tests/ on sys.path)
 
 
 @pytest.fixture
@@ -66,7 +56,7 @@ def test_stage_html_shows_counts_changes_and_tables(no_server):
 @pytest.mark.filterwarnings("ignore::ortlab.errors.FallbackWarning")
 def test_rows_link_to_their_node_in_netron(tmp_path, no_server):
     # tanh runs in PyTorch: its row links to the partition that reads its result.
-    lab = explore(Net(), torch.randn(4, 6), folder=str(tmp_path / "lab"), fallback_ops=["aten.tanh"])
+    lab = explore(TanhNet(), torch.randn(4, 6), folder=str(tmp_path / "lab"), fallback_ops=["aten.tanh"])
     lab.run()
     exported, split = lab["exported"], lab["split"]
     (fb,) = [f for f in exported.fallbacks if f.op == "aten.tanh"]
@@ -95,7 +85,7 @@ def test_rows_link_to_their_node_in_netron(tmp_path, no_server):
 
 
 def test_lab_html_and_widget_step_through(tmp_path, no_server):
-    lab = explore(Net(), torch.randn(4, 6), folder=str(tmp_path / "lab"))
+    lab = explore(TanhNet(), torch.randn(4, 6), folder=str(tmp_path / "lab"))
     page = lab_html(lab)
     assert page.count("pending") == 9 and "lab.next()" in page
     stepper = StepperWidget(lab)
