@@ -267,8 +267,8 @@ class _Pipeline:
                             index[name] = target
             saved, baseline = saved + plan.saved_bytes, baseline + plan.baseline_bytes
             stage.activations += [
-                ActivationRow(f"g{capture.index}", a.name, a.op, list(a.shape), a.dtype, a.bytes, a.module,
-                              a.source, a.recomputed, a.reason, index.get(a.name, ""))
+                ActivationRow(**{**dataclasses.asdict(a), "shape": list(a.shape)}, graph=f"g{capture.index}",
+                              onnx_node=index.get(a.name, ""))
                 for a in plan.activations
             ]
             stage.notes.append(

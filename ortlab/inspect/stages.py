@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from ortlab.errors import ConfigError, OrtlabError, first_line
+from ortlab.partition.recompute import SavedActivation
 from ortlab.report import Fallback
 from ortlab.inspect._stage_files import fx_code_op_counts, onnx_node_index, onnx_op_counts, parse_stage_file
 
@@ -149,23 +150,14 @@ class GraphBreak:
 
 
 @dataclasses.dataclass
-class ActivationRow:
-    """One activation the forward would save for the backward (see ``RecomputePlan``).
+class ActivationRow(SavedActivation):
+    """One activation the forward would save for the backward (a ``SavedActivation`` row).
 
     ``graph`` is the captured graph (``g0``); ``onnx_node`` is the ONNX node of the
     exported forward that produces it, for a graph view to select.
     """
 
-    graph: str
-    name: str
-    op: str
-    shape: list[int]
-    dtype: str
-    bytes: int
-    module: str
-    source: str
-    recomputed: bool
-    reason: str = ""
+    graph: str = ""
     onnx_node: str = ""
 
 

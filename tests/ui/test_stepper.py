@@ -35,7 +35,7 @@ def test_stage_html_shows_counts_changes_and_tables(no_server):
         diff=OpDiff.between({"aten.mm": 3, "aten.detach": 1}, {"aten.mm": 3, "aten.t": 2}), previous="joint",
         seconds=0.0123, timings={"g0.forward (from file times)": 0.01},
         graph_breaks=[GraphBreak("Call to <graph_break>", 2, "m.py:3 in forward", "long\ntext")],
-        activations=[ActivationRow("g0", "tanh", "aten.tanh", [4, 8], "float32", 128, "fc1", "m.py:4 in forward", False)],
+        activations=[ActivationRow("tanh", "aten.tanh", [4, 8], "float32", 128, "fc1", "m.py:4 in forward", False, graph="g0")],
         fallbacks=[FallbackRow("op", "g0.forward", "random op", "drop", "aten.native_dropout", "drop", "m.py:5", ["drop"])],
         summary={"saved": 1, "recomputed": 0, "saved_bytes": 128, "baseline_bytes": 128, "loss": 0.5},
         notes=["g0: recompute='none'"],
