@@ -42,6 +42,17 @@ _NP_DTYPES = {
 _SCALAR_DTYPES = {"int": torch.int64, "float": torch.float32, "bool": torch.bool}
 
 
+# onnxruntime < 1.32 takes (capsule, is_bool_tensor); 1.32 reads the dtype from the capsule alone.
+_DLPACK_BOOL_ARG = "is_bool_tensor" in (C.OrtValue.from_dlpack.__doc__ or "")
+
+
+def _from_dlpack(t: torch.Tensor) -> C.OrtValue:
+    """An OrtValue sharing ``t``'s memory through DLPack."""
+    if _DLPACK_BOOL_ARG:
+        return C.OrtValue.from_dlpack(t.detach().__dlpack__(), t.dtype == torch.bool)
+    return C.OrtValue.from_dlpack(t.detach().__dlpack__())
+
+
 def ort_device(device: torch.device) -> C.OrtDevice:
     """onnxruntime's description of a torch device."""
     if device.type == "cuda":
@@ -175,7 +186,7 @@ class OrtRunner:
             )
         else:
             for t in tensors:
-                inputs.push_back(C.OrtValue.from_dlpack(t.detach().__dlpack__(), t.dtype == torch.bool))
+                inputs.push_back(_from_dlpack(t))
         outputs = C.OrtValueVector()
         self._sess.run_with_ortvaluevector(
             self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
