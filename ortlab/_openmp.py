@@ -14,6 +14,10 @@ model by 25%).
 libgomp reads the variable once, when PyTorch loads it, so ``import ortlab`` sets it
 only when PyTorch is not imported yet and the user set neither variable;
 ``ORTLAB_TUNE_OPENMP=0`` turns this off. Otherwise the first-step report says what to do.
+This is the one place ortlab writes to ``os.environ``, and ``ortlab/__init__.py`` calls
+:func:`tune_before_torch` explicitly, first: an environment variable is the only knob
+libgomp has, and it must be set before PyTorch loads. The variable ortlab itself reads
+(``ORTLAB_TUNE_OPENMP``) is read in ``ortlab.config`` like every other.
 """
 
 from __future__ import annotations
@@ -21,13 +25,17 @@ from __future__ import annotations
 import os
 import sys
 
+from ortlab.config import tune_openmp_enabled
+
 SPINCOUNT = "30000"
 _USER_VARS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 
 
-def tune_before_torch() -> str:
-    """Set GOMP_SPINCOUNT if it can still take effect; returns what was done, for the report."""
-    if os.environ.get("ORTLAB_TUNE_OPENMP", "1") == "0":
+_STATE = "not tuned yet"
+
+
+def _decide() -> str:
+    if not tune_openmp_enabled():
         return "left as it is (ORTLAB_TUNE_OPENMP=0)"
     for var in _USER_VARS:
         if var in os.environ:
@@ -38,7 +46,12 @@ def tune_before_torch() -> str:
     return f"GOMP_SPINCOUNT={SPINCOUNT} (set by ortlab before PyTorch loaded)"
 
 
-_STATE = tune_before_torch()
+def tune_before_torch() -> str:
+    """Set GOMP_SPINCOUNT if it can still take effect (once per process); returns what was done."""
+    global _STATE
+    if _STATE == "not tuned yet":
+        _STATE = _decide()
+    return _STATE
 
 
 def _uses_libgomp() -> bool:

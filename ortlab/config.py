@@ -15,6 +15,8 @@ strict or verbose without touching the training script:
 ``ORTLAB_OPT_LEVEL``              onnxruntime graph optimization: disable|basic|extended|all
 ``ORTLAB_DYNAMIC``                ``auto`` (default), 1 (symbolic sizes from the start) or 0
 ``ORTLAB_CACHE_DIR``              folder of the on-disk cache of onnxruntime models
+``ORTLAB_TUNE_OPENMP``            0 to leave PyTorch's OpenMP spin as it is (read by
+                                  ``ortlab._openmp`` through :func:`tune_openmp_enabled`)
 ================================  =======================================================
 """
 
@@ -29,9 +31,14 @@ from typing import Union
 
 from ortlab.errors import ConfigError
 
-__all__ = ["LogLevel", "DebugOptions", "Options", "RECOMPUTE_PRESETS", "OPT_LEVELS"]
+__all__ = ["LogLevel", "DebugOptions", "Options", "RECOMPUTE_PRESETS", "OPT_LEVELS", "tune_openmp_enabled"]
 
-RECOMPUTE_PRESETS = ("none", "auto", "layerwise")
+# The recompute presets and what each does: the one table (the toggles show it too).
+RECOMPUTE_PRESETS: dict[str, str] = {
+    "none": "save every activation the backward needs (as eager PyTorch does)",
+    "auto": "torch's min-cut partitioner recomputes cheap ops where that saves memory",
+    "layerwise": "recompute everything inside each repeated layer (blocks.0, blocks.1, ...) from the layer's input",
+}
 OPT_LEVELS = ("disable", "basic", "extended", "all")
 FALLBACK_MODES = ("warn", "raise")
 
@@ -193,6 +200,11 @@ class Options:
         if (v := _env("ORTLAB_FALLBACK_OPS")) is not None:
             extra = [s.strip() for s in v.split(",") if s.strip()]
             self.fallback_ops, _ = tuple(self.fallback_ops) + tuple(extra), used.append("ORTLAB_FALLBACK_OPS")
+        if isinstance(self.fallback_ops, str):  # before tuple(): it would split the string into characters
+            raise ConfigError(
+                f"fallback_ops takes a list of op names, got the string {self.fallback_ops!r}; "
+                f"write fallback_ops=[{self.fallback_ops!r}]."
+            )
         if (v := _env("ORTLAB_RECOMPUTE")) is not None:
             parts = [s.strip() for s in v.split(",") if s.strip()]
             self.recompute = parts[0] if len(parts) == 1 and parts[0] in RECOMPUTE_PRESETS else tuple(parts)
@@ -219,7 +231,7 @@ class Options:
         if isinstance(self.recompute, str):
             if self.recompute not in RECOMPUTE_PRESETS:
                 raise ConfigError(
-                    f"recompute={self.recompute!r} is not valid; choose one of {RECOMPUTE_PRESETS} "
+                    f"recompute={self.recompute!r} is not valid; choose one of {tuple(RECOMPUTE_PRESETS)} "
                     "or pass a list of saved-activation selectors (node name, 'op:aten.x', 'module:path')."
                 )
         else:
@@ -229,9 +241,30 @@ class Options:
                 raise ConfigError(f"recompute selectors must be non-empty strings, got {bad!r}.")
         if self.cache_dir is not None:
             os.makedirs(self.cache_dir, exist_ok=True)
-        self.fallback_ops = tuple(self.fallback_ops)
         if isinstance(self.fallback_ops, str):
-            raise ConfigError("fallback_ops takes a list of op names, e.g. ['aten.gelu'].")
+            raise ConfigError(f"fallback_ops takes a list of op names, e.g. [{self.fallback_ops!r}].")
+        self.fallback_ops = tuple(self.fallback_ops)
+        bad_ops = [s for s in self.fallback_ops if not isinstance(s, str) or not s]
+        if bad_ops:
+            raise ConfigError(f"fallback_ops entries must be non-empty op names such as 'aten.gelu', got {bad_ops!r}.")
+
+    def as_dict(self) -> dict[str, object]:
+        """The options as ``ORTModule(**options)`` takes them: the one snapshot of a configuration.
+
+        Example:
+            >>> Options(recompute="auto").as_dict()["recompute"]
+            'auto'
+        """
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "from_env"}
+
+    def replace(self, **changes: object) -> Options:
+        """These options with ``changes`` applied (validated; environment variables still win).
+
+        Example:
+            >>> Options().replace(recompute="layerwise").recompute
+            'layerwise'
+        """
+        return Options.from_kwargs({**self.as_dict(), **changes})
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> Options:
@@ -241,3 +274,12 @@ class Options:
         if unknown:
             raise ConfigError(f"unknown ORTModule option(s) {unknown}; valid options: {sorted(names)}.")
         return cls(**kwargs)
+
+
+def tune_openmp_enabled() -> bool:
+    """Whether ``import ortlab`` may shorten PyTorch's OpenMP spin (``ORTLAB_TUNE_OPENMP``, default on).
+
+    Read by ``ortlab._openmp`` before PyTorch loads; see Note [PyTorch's OpenMP spin and onnxruntime].
+    """
+    value = _env("ORTLAB_TUNE_OPENMP")
+    return True if value is None else _env_bool("ORTLAB_TUNE_OPENMP", value)

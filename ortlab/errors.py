@@ -52,7 +52,21 @@ class DeviceError(OrtlabError):
 
 
 class InternalError(OrtlabError):
-    """A bug in ortlab: please report it with the model that triggered it."""
+    """A bug in ortlab itself, not in the user's model or options.
+
+    The message always ends with "please report" and the context: what ortlab was
+    doing and which graph it was working on, so a report can be acted on.
+
+    Example:
+        >>> raise InternalError("the session has 3 inputs, the graph 4", context="g0.forward")  # doctest: +SKIP
+    """
+
+    def __init__(self, message: str, context: str = "") -> None:
+        where = f" (while working on {context})" if context else ""
+        super().__init__(
+            f"{message}{where}. This is a bug in ortlab, not in your model: please report it with this "
+            "message, the versions of torch, onnxruntime and ortlab, and the model that triggered it."
+        )
 
 
 class FallbackWarning(UserWarning):

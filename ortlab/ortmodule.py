@@ -11,29 +11,37 @@ wrapped module, so a changed attribute is seen by Dynamo's guards and re-capture
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import torch
-import torch._dynamo
 import torch.nn as nn
-import torch.utils._pytree as pytree
-from torch._dynamo import exc as dynamo_exc
-from torch._dynamo.utils import counters
 
+from ortlab._compat.torch import (
+    BackendCompilerFailed,
+    TorchDynamoException,
+    disable_donated_buffers,
+    dynamo_counters,
+    pytree,
+    set_dynamo_config,
+)
 from ortlab._openmp import openmp_note
-from ortlab.capture.backend import OrtlabBackend
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import CaptureError, DeviceError, OrtlabError, UnsupportedInputError
+from ortlab.pipeline.backend import OrtlabBackend
 from ortlab.report import Fallback, Report, warn_fallback
 from ortlab.runtime.observe import GraphObserver
+from ortlab.stages import StageSink
 
-__all__ = ["ORTModule", "configure_torch"]
+__all__ = ["ORTModule", "configure_torch", "CallWatcher"]
+
+# A tool watching every call of an ORTModule: ``watcher(call, args, kwargs)`` must return
+# ``call(args, kwargs)`` (see ``ORTModule.set_call_watcher``).
+CallWatcher = Callable[[Callable[[tuple, dict], Any], tuple, dict], Any]
 
 logger = logging.getLogger("ortlab")
 
@@ -46,6 +54,8 @@ _OWN = (
     "_ortlab_calls",
     "_ortlab_backend",
     "_ortlab_observer",
+    "_ortlab_watcher",
+    "_ortlab_sinks",
     "_ortlab_device_of",
 )
 # Note [Process-wide torch settings]
@@ -83,15 +93,7 @@ _ISOLATED = (
 
 
 def configure_torch() -> None:
-    """Apply the process-wide torch settings ORTModule needs (see Note [Process-wide torch settings])."""
-    for key, value in _DYNAMO_CONFIG.items():
-        if getattr(torch._dynamo.config, key) != value:
-            setattr(torch._dynamo.config, key, value)
-    _disable_donated_buffers()
-
-
-def _disable_donated_buffers() -> None:
-    """Turn off AOTAutograd's donated buffers, process-wide.
+    """Apply the process-wide torch settings ORTModule needs (see Note [Process-wide torch settings]).
 
     Donated buffers are an Inductor memory optimization ortlab does not use; left on,
     ``loss.backward(retain_graph=True)`` followed by another backward raises. AOTAutograd
@@ -99,10 +101,8 @@ def _disable_donated_buffers() -> None:
     cost falls on torch.compile(inductor) models in the same process: their saved
     tensors are no longer freed early during backward.
     """
-    import torch._functorch.config as functorch_config
-
-    if functorch_config.donated_buffer:
-        functorch_config.donated_buffer = False
+    set_dynamo_config(_DYNAMO_CONFIG)
+    if disable_donated_buffers():
         logger.info("ortlab turned off torch._functorch.config.donated_buffer (see ORTModule docs)")
 
 
@@ -156,6 +156,8 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_ortlab_options", opts)
         object.__setattr__(self, "_ortlab_debug", debug)
         object.__setattr__(self, "_ortlab_observer", None)
+        object.__setattr__(self, "_ortlab_watcher", None)
+        object.__setattr__(self, "_ortlab_sinks", ())
         # See Note [Sharing the wrapped module's dicts].
         object.__setattr__(self, "_parameters", module._parameters)
         object.__setattr__(self, "_buffers", module._buffers)
@@ -170,7 +172,8 @@ class ORTModule(nn.Module):
     def _ortlab_reset(self) -> None:
         note = openmp_note()
         report = Report(hints=[note] if note else [])
-        backend = OrtlabBackend(self._ortlab_options, self._ortlab_debug, report, self._ortlab_observer)
+        backend = OrtlabBackend(self._ortlab_options, self._ortlab_debug, report, self._ortlab_observer,
+                                self._ortlab_sinks)
         compiled = torch.compile(
             self._ortlab_module,
             backend=backend,
@@ -194,13 +197,7 @@ class ORTModule(nn.Module):
         Example:
             >>> model.reconfigure(recompute="layerwise", fallback_ops=["aten.gelu"])  # doctest: +SKIP
         """
-        current = {
-            f.name: getattr(self._ortlab_options, f.name)
-            for f in dataclasses.fields(Options)
-            if f.name != "from_env"
-        }
-        current.update(options)
-        object.__setattr__(self, "_ortlab_options", Options.from_kwargs(current))
+        object.__setattr__(self, "_ortlab_options", self._ortlab_options.replace(**options))
         self._ortlab_reset()
 
     def set_observer(self, observer: GraphObserver | None) -> GraphObserver | None:
@@ -222,6 +219,36 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_ortlab_observer", observer)
         self._ortlab_backend.observer = observer
         return previous
+
+    def set_call_watcher(self, watcher: CallWatcher | None) -> CallWatcher | None:
+        """Run every call of this module through ``watcher``; returns the previous one.
+
+        For tools that time training steps (``ortlab.monitor``): ``watcher(call, args,
+        kwargs)`` must return ``call(args, kwargs)``, and may look at the inputs, the
+        clock and the output around it. Without a watcher a call pays one attribute
+        read for this hook. Copies and pickles of the module are not watched.
+
+        Example:
+            >>> def log(call, args, kwargs):
+            ...     out = call(args, kwargs)
+            ...     print("step")
+            ...     return out
+            >>> om.set_call_watcher(log)                   # doctest: +SKIP
+        """
+        previous = self._ortlab_watcher
+        object.__setattr__(self, "_ortlab_watcher", watcher)
+        return previous
+
+    def add_stage_sink(self, sink: StageSink) -> None:
+        """Hand every stage of graphs captured from now on to ``sink`` (see ``ortlab.stages``).
+
+        Takes effect at the next capture: call :meth:`reconfigure` to capture again now.
+
+        Example:
+            >>> om.add_stage_sink(FolderSink("stages", "gpt")); om.reconfigure()   # doctest: +SKIP
+        """
+        object.__setattr__(self, "_ortlab_sinks", (*self._ortlab_sinks, sink))
+        self._ortlab_backend.sinks.append(sink)
 
     @property
     def module(self) -> nn.Module:
@@ -271,12 +298,16 @@ class ORTModule(nn.Module):
         state = self.__dict__.copy()
         for key in ("_ortlab_report", "_ortlab_compiled", "_ortlab_backend"):
             state.pop(key, None)
-        state["_ortlab_observer"] = None  # a tool's hook, not part of the model
+        state["_ortlab_observer"] = None  # tools' hooks, not part of the model
+        state["_ortlab_watcher"] = None
+        state["_ortlab_sinks"] = ()
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_ortlab_observer", None)
+        self.__dict__.setdefault("_ortlab_watcher", None)
+        self.__dict__.setdefault("_ortlab_sinks", ())
         configure_torch()
         self._ortlab_reset()
 
@@ -331,18 +362,24 @@ class ORTModule(nn.Module):
             # Inside an enclosing ORTModule or torch.compile: be traced as the plain
             # module, so the outer capture sees one graph instead of breaking here.
             return self._ortlab_module(*args, **kwargs)
+        watcher = self._ortlab_watcher
+        if watcher is not None:
+            return watcher(self._ortlab_call, args, kwargs)
+        return self._ortlab_call(args, kwargs)
+
+    def _ortlab_call(self, args: tuple, kwargs: dict) -> Any:
         self._check_inputs(args, kwargs)
         first = self._ortlab_calls == 0
-        breaks_before = dict(counters["graph_break"])
+        breaks_before = dict(dynamo_counters["graph_break"])
         start = time.perf_counter()
         try:
             out = self._ortlab_compiled(*args, **kwargs)
-        except dynamo_exc.BackendCompilerFailed as e:
+        except BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__
             if isinstance(inner, OrtlabError):
                 raise inner from None
             out = self._capture_failed(e, args, kwargs)
-        except dynamo_exc.TorchDynamoException as e:
+        except TorchDynamoException as e:
             out = self._capture_failed(e, args, kwargs)
         self._record_graph_breaks(breaks_before)
         object.__setattr__(self, "_ortlab_calls", self._ortlab_calls + 1)
@@ -352,7 +389,7 @@ class ORTModule(nn.Module):
         return out
 
     def _record_graph_breaks(self, before: dict) -> None:
-        now = counters["graph_break"]
+        now = dynamo_counters["graph_break"]
         for reason, count in now.items():
             new = count - before.get(reason, 0)
             if new <= 0:

@@ -13,11 +13,14 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from ortlab.errors import FallbackWarning
+from ortlab.provenance import restore_provenance
+from ortlab.stages import StageArtifact
+from ortlab.stages import label as stage_label
 
 if TYPE_CHECKING:
     from ortlab.partition.recompute import RecomputePlan
 
-__all__ = ["Fallback", "GraphRecord", "Report", "reset_warnings", "warn_fallback"]
+__all__ = ["Fallback", "PartRecord", "GraphRecord", "CaptureRecord", "Report", "reset_warnings", "warn_fallback"]
 
 _WARNED: set[tuple[str, str]] = set()
 
@@ -35,6 +38,7 @@ class Fallback:
         module: nn.Module path of the node.
         source: ``file:line in function`` of the model code.
         reason: why it runs in PyTorch.
+        kind: for ``op`` fallbacks, the kind of decision (``ortlab.placement.KINDS``).
     """
 
     scope: str
@@ -44,6 +48,7 @@ class Fallback:
     op: str = ""
     module: str = ""
     source: str = ""
+    kind: str = ""
 
     def __str__(self) -> str:
         what = f"{self.op} ({self.node})" if self.node else self.where
@@ -66,28 +71,63 @@ def warn_fallback(fb: Fallback) -> None:
 
 
 @dataclasses.dataclass
+class PartRecord:
+    """One onnxruntime session of a graph.
+
+    Attributes:
+        name: the partition (``fused_0``), or "" when the whole graph is one session.
+        label: where it sits (``g0.forward.fused_0``, see ``ortlab.stages.label``).
+        runner: the ``OrtRunner`` that calls the session.
+        exported: the ``ExportedGraph`` the session was built from (after onnxscript's
+            optimizer), or ``None`` for a session loaded from the on-disk cache.
+        stage: the stage of the model the session was given (``onnxscript``;
+            ``exported`` with onnxscript's optimizer off; ``execution`` from the cache).
+    """
+
+    name: str
+    label: str
+    runner: Any = dataclasses.field(repr=False)
+    exported: Any = dataclasses.field(default=None, repr=False)
+    stage: str = "onnxscript"
+
+
+@dataclasses.dataclass
 class GraphRecord:
-    """One graph as compiled: forward, backward or inference of a captured graph."""
+    """One graph as compiled: forward, backward or inference of a captured graph.
+
+    ``providers`` and ``threads`` say which execution providers and how many threads
+    its sessions use, and why (the session builder's decisions); ``notes`` hold other
+    decisions a user should see (a graph run as exported because onnxscript's optimizer
+    failed on it).
+    """
 
     name: str
     mode: str
     fx_ops: dict[str, int]
+    capture: int = 0
     onnx_ops: dict[str, int] = dataclasses.field(default_factory=dict)
     ort_partitions: int = 0
     torch_nodes: int = 0
     export_s: float = 0.0
     session_s: float = 0.0
+    providers: str = ""
     threads: str = ""
     cached: int = 0
     fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
     # For inspection tools (profiling, divergence search, graph views); not part of the text report.
     graph_module: Any = dataclasses.field(default=None, repr=False, compare=False)
-    parts: list[Any] = dataclasses.field(default_factory=list, repr=False, compare=False)
+    parts: list[PartRecord] = dataclasses.field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def label(self) -> str:
+        """``g0.forward`` (see ``ortlab.stages.label``)."""
+        return stage_label(self.capture, self.name)
 
     @property
     def runners(self) -> list[Any]:
         """The ``OrtRunner`` of each onnxruntime partition."""
-        return [runner for runner, _ in self.parts]
+        return [part.runner for part in self.parts]
 
 
 @dataclasses.dataclass
@@ -126,6 +166,29 @@ class Report:
                 out.extend(g.fallbacks)
         return out
 
+    def session_stages(self) -> list[StageArtifact]:
+        """The model each onnxruntime session runs now, as stages a sink can take.
+
+        For notebook views of a module that already trained (the netron graphs its kernel
+        and toggle tables link into): the model each session was given, with every
+        node's ``ortlab.*`` provenance (restored from the cache entry for cached parts).
+        """
+        out = []
+        for c in self.captures:
+            for g in c.graphs:
+                for part in g.parts:
+                    if part.exported is not None:
+                        model: Any = part.exported.model
+                    else:
+                        import onnx
+
+                        source = part.runner.session_source.model
+                        model = (onnx.load_from_string(source) if isinstance(source, bytes)
+                                 else onnx.load(source, load_external_data=False))
+                        model = restore_provenance(model, part.runner.provenance or {}) or model
+                    out.append(StageArtifact(part.stage, c.index, g.mode, g.name, part.name, model))
+        return out
+
     @property
     def saved_activation_bytes(self) -> int:
         return sum(c.plan.saved_bytes for c in self.captures if c.plan is not None)
@@ -140,7 +203,8 @@ class Report:
         else:
             lines.append("graph breaks: none")
         for c in self.captures:
-            lines.append(f"graph g{c.index} ({c.mode}): {sum(c.fx_ops.values())} captured ops, capture {c.capture_s:.2f} s")
+            lines.append(f"graph {stage_label(c.index)} ({c.mode}): {sum(c.fx_ops.values())} captured ops, "
+                         f"capture {c.capture_s:.2f} s")
             for g in c.graphs:
                 top = ", ".join(f"{k} {v}" for k, v in list(g.onnx_ops.items())[:6])
                 lines.append(
@@ -151,8 +215,11 @@ class Report:
                 )
                 if top:
                     lines.append(f"             top ONNX ops: {top}")
+                if g.providers:
+                    lines.append(f"             providers: {g.providers}")
                 if g.threads:
                     lines.append(f"             threads: {g.threads}")
+                lines.extend(f"             note: {note}" for note in g.notes)
             if c.plan is not None:
                 p = c.plan
                 lines.append(

@@ -90,7 +90,7 @@ def test_corrupt_entry_is_dropped_and_rebuilt(tmp_path):
 
 _FRESH_PROCESS = """
 import sys, torch, ortlab
-import ortlab.capture.decompositions as D
+import ortlab.torchlib as D
 torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
 om = ortlab.ORTModule(net, cache_dir=sys.argv[1])

@@ -80,7 +80,7 @@ def test_recompute_from_environment(monkeypatch, gpt_and_batch):
 
 def test_forward_hands_the_backward_bases_not_views(gpt_and_batch):
     """A saved view would be a Reshape/Transpose copy in onnxruntime: the backward rebuilds it."""
-    from ortlab.capture.provenance import op_name
+    from ortlab.provenance import op_name
     from ortlab.partition.recompute import _REBUILT_VIEWS
 
     model, batch = gpt_and_batch

@@ -1,11 +1,11 @@
-"""The decomposition table AOTAutograd traces with, and the torchlib registry behind it.
+"""The decomposition table AOTAutograd traces with (torchlib's op list is in ``ortlab.torchlib``).
 
 We take torch.onnx's own "ONNX-friendly" table (torch's decompositions minus the
 ops torchlib translates directly) and change it in three places, each a real gap:
 
 * ``scaled_dot_product_attention`` is CompositeImplicit: on CPU autograd records
   ``_scaled_dot_product_flash_attention_for_cpu`` whose backward has no ONNX
-  translation. ``capture.backend`` rewrites it to :func:`sdpa_math` in the Dynamo
+  translation. ``capture.aot`` rewrites it to :func:`sdpa_math` in the Dynamo
   graph, before AOTAutograd differentiates it.
 * training-mode batch norm: onnxruntime's BatchNormalization kernel uses the
   running statistics even with ``training_mode=1``; torch's decomposition computes
@@ -18,21 +18,17 @@ ops torchlib translates directly) and change it in three places, each a real gap
 from __future__ import annotations
 
 import functools
-import hashlib
-import json
-import logging
 import math
-import os
 from collections.abc import Callable
 
 import torch
-from torch._decomp import decomposition_table as _torch_decomps
-from torch.onnx._internal.exporter import _decomp, _registration
 
-__all__ = ["get_registry", "translated_ops", "is_translated", "decomposition_table", "sdpa_math", "convolution_backward"]
+from ortlab._compat.torch import OpOverload, aten_decompositions, onnx_friendly_decompositions
+from ortlab.torchlib import overload, translated_ops
+
+__all__ = ["decomposition_table", "sdpa_math", "convolution_backward"]
 
 aten = torch.ops.aten
-logger = logging.getLogger(__name__)
 
 # Ops whose torchlib translation gives wrong results; traced through torch's decomposition.
 _FORCE_DECOMPOSE = (
@@ -49,96 +45,18 @@ _FORCE_DECOMPOSE = (
 )
 
 
-@functools.lru_cache(maxsize=1)
-def get_registry() -> _registration.ONNXRegistry:
-    """torch.onnx's registry of torchlib translations (built once, ~0.5 s)."""
-    reg_logger = logging.getLogger("torch.onnx._internal.exporter._registration")
-    old = reg_logger.level
-    reg_logger.setLevel(logging.ERROR)  # "torchvision is not installed" noise
-    try:
-        registry = _registration.ONNXRegistry.from_torchlib()
-    finally:
-        reg_logger.setLevel(old)
-    from ortlab.onnx.translations import register  # our own translations for torchlib's gaps
-
-    register(registry)
-    return registry
-
-
-def _callable_key(target: object) -> str | None:
-    """``py:<module>.<qualname>`` of a plain Python callable target (``operator.add``)."""
-    module, name = getattr(target, "__module__", None), getattr(target, "__qualname__", None)
-    if module is None or name is None or isinstance(target, torch._ops.OpOverload):
-        return None
-    return f"py:{module}.{name}"
-
-
 @functools.lru_cache(maxsize=4)
-def translated_ops(cache_dir: str | None = None) -> frozenset[str]:
-    """Names of the ops the registry translates: ``aten::add.Tensor`` and ``py:_operator.add``.
-
-    Building the registry takes ~0.5 s; a run whose graphs all come from the on-disk
-    cache needs only this list, so with ``cache_dir`` it is kept there too, keyed on the
-    versions of torch, onnxscript, onnxruntime and ortlab.
-    """
-    path = None
-    if cache_dir:
-        from ortlab.runtime.cache import library_versions  # runtime imports this module
-
-        digest = hashlib.sha256(library_versions().encode()).hexdigest()[:16]
-        path = os.path.join(cache_dir, f"torchlib-ops-{digest}.json")
-        try:
-            with open(path) as f:
-                return frozenset(json.load(f))
-        except (OSError, ValueError):
-            pass
-    registry = get_registry()
-    names = {key if isinstance(key, str) else _callable_key(key) for key in registry.functions}
-    names.discard(None)
-    found = frozenset(names)  # type: ignore[arg-type]
-    if path is not None:
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(sorted(found), f)
-            os.replace(tmp, path)
-        except OSError as e:
-            logger.debug("could not write %s: %s", path, e)
-    return found
-
-
-def is_translated(target: object, cache_dir: str | None = None) -> bool:
-    """Whether torchlib (or ortlab) has an ONNX translation for an FX node's target."""
-    if isinstance(target, torch._ops.OpOverload):
-        return target.name() in translated_ops(cache_dir)
-    key = _callable_key(target)
-    if key is None:  # higher-order ops and other objects: ask the registry itself
-        return get_registry().is_registered(target)
-    return key in translated_ops(cache_dir)
-
-
-def _overload(name: str) -> torch._ops.OpOverload | None:
-    """``aten::add.Tensor`` -> ``torch.ops.aten.add.Tensor`` (None if it does not resolve)."""
-    namespace, _, rest = name.partition("::")
-    packet, _, overload = rest.partition(".")
-    try:
-        return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
-    except (AttributeError, RuntimeError):
-        return None
-
-
-@functools.lru_cache(maxsize=4)
-def decomposition_table(cache_dir: str | None = None) -> dict[torch._ops.OpOverload, Callable]:
+def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callable]:
     """Decompositions for every op torchlib cannot translate (plus the forced ones)."""
-    onnx_ops = {op for name in translated_ops(cache_dir) if not name.startswith("py:") and (op := _overload(name))}
-    table = dict(_decomp.create_onnx_friendly_decomposition_table(onnx_ops))
+    onnx_ops = {op for name in translated_ops(cache_dir) if not name.startswith("py:") and (op := overload(name))}
+    table = onnx_friendly_decompositions(onnx_ops)
     # lift_fresh's decomposition aliases the *real* constant under FakeTensorMode and
     # AOTAutograd rejects it (``h[:, 0] = 0.0`` failed to capture); AOTAutograd handles
     # lift_fresh itself.
     table.pop(aten.lift_fresh.default, None)
     for op in _FORCE_DECOMPOSE:
-        if op in _torch_decomps:
-            table[op] = _torch_decomps[op]
+        if op in aten_decompositions:
+            table[op] = aten_decompositions[op]
     table[aten.convolution_backward.default] = convolution_backward
     return table
 

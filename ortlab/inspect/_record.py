@@ -20,15 +20,15 @@ import onnx_ir as ir
 import torch
 import torch.fx
 
-from ortlab.capture.provenance import module_path, op_name, source_line
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import OrtlabError, first_line
 from ortlab.inspect._results import GraphRun, NodeComparison, PartRun, compare_tensors
 from ortlab.onnx.export import ExportedGraph
+from ortlab.provenance import module_path, op_name, source_line
 from ortlab.report import GraphRecord
 from ortlab.runtime.observe import GraphObserver
 from ortlab.runtime.runner import OrtRunner
-from ortlab.runtime.session import create_session, providers_for
+from ortlab.runtime.session import ThreadChoice, build_session
 
 __all__ = ["GraphCall", "Recorder", "compare_graph", "onnx_value_names", "onnx_values"]
 
@@ -150,9 +150,10 @@ def onnx_values(
     dtypes: list[torch.dtype | None] = [wanted[fx].meta["val"].dtype for fx in names]
     data = ir.to_proto(model).SerializeToString()
     threads = options.intra_op_num_threads or 1
-    session, _ = create_session(data, options, DebugOptions(), providers_for(device.type, options), None, threads)
+    built = build_session(data, options, DebugOptions(), device_type=device.type,
+                          threads=ThreadChoice(threads, "an inspection copy of a graph"))
     kinds: list[str | None] = ["tensor"] * len(names)
-    runner = OrtRunner(session, exported.input_kinds, kinds, dtypes, [None] * len(names), device)
+    runner = OrtRunner(built.session, exported.input_kinds, kinds, dtypes, [None] * len(names), device)
     return dict(zip(names, runner(*inputs)))
 
 
@@ -170,7 +171,7 @@ def compare_graph(
     ``part_inputs`` are the Recorder's copies of each session's inputs.
     """
     record, gm = call.record, call.record.graph_module
-    label = f"{call.where}.{record.name}"
+    label = record.label
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     # See Note [Chained reference]: a backward input that is a forward value of the
     # same capture takes PyTorch's forward value, not onnxruntime's.
@@ -194,7 +195,8 @@ def compare_graph(
     nodes = _tensor_nodes(gm)
     onnx_vals: dict[str, torch.Tensor] = {}
     parts: list[PartRun] = []
-    for runner, exported in record.parts:
+    for part in record.parts:
+        runner, exported = part.runner, part.exported
         recorded = part_inputs.get(runner)
         if exported is None or recorded is None:
             logger.warning("no inputs were recorded for a session of %s; its values are not compared", label)

@@ -33,11 +33,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from ortlab._compat.torch import pytree
 from ortlab.config import Options
 from ortlab.inspect import _results
+from ortlab.inspect.loss import default_loss
 from ortlab.inspect._record import Recorder, compare_graph, onnx_value_names, onnx_values
 from ortlab.inspect._results import (  # re-exported: the names of ortlab.inspect.compare before the split
     ATOL,
@@ -59,31 +60,6 @@ logger = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------------- the step
-
-
-def _weights(t: torch.Tensor) -> torch.Tensor:
-    n = max(t.numel(), 1)
-    w = 1.0 + 0.5 * torch.sin(torch.arange(n, dtype=torch.float32, device=t.device) * 0.37 + 0.1)
-    return w[: t.numel()].reshape(t.shape).to(t.dtype)
-
-
-def default_loss(output: Any) -> torch.Tensor | None:
-    """The loss ``compare`` backpropagates when no ``loss_fn`` is given.
-
-    A scalar floating output is the loss itself; otherwise every differentiable floating
-    leaf of the output is weighted by fixed, non-uniform weights and summed (uniform
-    weights would hide errors that cancel out). ``None`` when nothing is differentiable.
-
-    Example:
-        >>> default_loss(torch.tensor(2.0, requires_grad=True))
-        tensor(2., requires_grad=True)
-    """
-    leaves = [leaf for leaf in pytree.tree_leaves(output)
-              if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.requires_grad]
-    if len(leaves) == 1 and leaves[0].dim() == 0 and isinstance(output, torch.Tensor):
-        return leaves[0]
-    terms = [(leaf * _weights(leaf)).float().sum() for leaf in leaves]
-    return sum(terms) if terms else None  # type: ignore[return-value]
 
 
 def _clone(tree: Any) -> Any:
@@ -187,8 +163,7 @@ def compare(
         >>> result.matches, result.first_divergence                        # doctest: +SKIP
     """
     if isinstance(model, ORTModule):
-        merged = {f.name: getattr(model.options, f.name) for f in dataclasses.fields(Options) if f.name != "from_env"}
-        options = {**merged, **options}
+        options = {**model.options.as_dict(), **options}
         model = model.module
     options = {**options, "cache_dir": None}  # cached parts have no ONNX model to inspect
     opts = Options.from_kwargs(options)

@@ -2,20 +2,16 @@
 
 Note [How the lab drives the engine]
 The lab reuses the engine rather than copying it. Its Dynamo backend records each
-graph Dynamo captures and runs it eagerly (stage ``captured``); the first later
-stage hands each recorded graph to the engine's own ``OrtlabBackend``, with stage
-saving on into the lab folder (``StageWriter``), which builds the joint graph, splits
-it, exports, optimizes and creates the sessions exactly as ``ORTModule`` does. The
-stages from ``joint`` to ``ort_all`` are then read from the records (``Report``) and
-the files the engine saved, one at a time. The ``step`` stage calls the same
-``torch.compile`` wrapper again: Dynamo's cache sends each graph to its recorded
-callable, which now runs the engine's compiled forward and backward.
-
-The engine does not time its sub-stages separately (joint tracing, partitioning,
-each onnxruntime level), so a stage's ``seconds`` is read from the files' modification
-times: the time from the previous file the engine wrote to this one. These are wall
-times with the file system's timestamp granularity (a few ms); the engine's own
-totals (export, sessions) are listed in ``timings`` next to them.
+graph Dynamo captures and runs it eagerly (step ``captured``); the first later step
+hands each recorded graph to the engine's own ``OrtlabBackend`` with the lab as a
+stage sink (``ortlab.stages``): the engine builds the joint graph, splits it, exports,
+optimizes and creates the sessions exactly as ``ORTModule`` does, and hands the lab
+every stage it makes, typed (the FX graph or ONNX model, its graph and part, and the
+seconds its own clock gave it). The lab writes each to its folder (for netron and
+for reopening) and fills its steps from what it was handed; it never reads a file
+name back. The ``step`` step calls the same ``torch.compile`` wrapper again: Dynamo's
+cache sends each graph to its recorded callable, which now runs the engine's
+compiled forward and backward.
 """
 
 from __future__ import annotations
@@ -32,61 +28,27 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch._functorch.config
 import torch.fx
-import torch.utils._pytree as pytree
-from torch._dynamo.utils import counters
 
-from ortlab.artifacts import StageWriter
-from ortlab.capture.backend import OrtlabBackend, torch_op_counts
+from ortlab._compat.torch import dynamo_counters, eager_backward_lowering
+from ortlab.artifacts import FolderSink
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import OrtlabError, UnsupportedInputError, first_line
-from ortlab.inspect.stages import (
-    ActivationRow,
-    FallbackRow,
-    GraphBreak,
-    Lab,
-    Stage,
-    fx_code_op_counts,
-    onnx_node_index,
-    onnx_op_counts,
-    parse_stage_file,
-)
+from ortlab.inspect.lab import Lab
+from ortlab.inspect.lab_stage import ActivationRow, FallbackRow, GraphBreak, Stage
+from ortlab.inspect.loss import default_loss
 from ortlab.ortmodule import ORTModule, configure_torch
+from ortlab.pipeline.backend import OrtlabBackend
+from ortlab.provenance import onnx_node_index
 from ortlab.report import Fallback, Report
-from ortlab.runtime.session import providers_for, session_options
+from ortlab.stages import LAB_STAGES, StageArtifact, count_ops, label
 
 __all__ = ["explore", "default_loss"]
 
 logger = logging.getLogger(__name__)
 
-_HAS_EAGER_BW = hasattr(torch._functorch.config, "force_non_lazy_backward_lowering")
-
 LossFn = Callable[[Any], "torch.Tensor | None"]
-
-
-def default_loss(output: Any) -> torch.Tensor | None:
-    """The loss of a model's output: its first differentiable scalar, else the sum of all.
-
-    Returns ``None`` when no floating output requires grad (nothing to backpropagate).
-
-    Example:
-        >>> default_loss(torch.ones(2, requires_grad=True) * 3)
-        tensor(6., grad_fn=<SumBackward0>)
-    """
-    leaves = [
-        t for t in pytree.tree_leaves(output)
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad
-    ]
-    if not leaves:
-        return None
-    scalar = next((t for t in leaves if t.dim() == 0), None)
-    if scalar is not None:
-        return scalar
-    total = leaves[0].float().sum()
-    for t in leaves[1:]:
-        total = total + t.float().sum()
-    return total
+_ENGINE_STAGES = {spec.name: spec.stages for spec in LAB_STAGES}
 
 
 def _location(user_stack: Sequence[Any] | None) -> str:
@@ -96,13 +58,44 @@ def _location(user_stack: Sequence[Any] | None) -> str:
     return f"{frame.filename}:{frame.lineno} in {frame.name}"
 
 
+@dataclasses.dataclass
+class _Made:
+    """One stage of one graph the engine handed the lab: its label, file, op counts and seconds."""
+
+    label: str
+    file: str
+    op_counts: dict[str, int]
+    seconds: float
+
+
+class _LabSink:
+    """The lab's stage sink: writes each stage into the lab folder and keeps what the steps show."""
+
+    def __init__(self, folder: str, prefix: str) -> None:
+        self.folder = folder
+        self.writer = FolderSink(folder, prefix)
+        self.made: dict[str, list[_Made]] = {}
+
+    def wants(self, stage: str) -> bool:
+        return stage != "captured"  # the lab records the captured graphs itself, before the engine runs
+
+    def accept(self, artifact: StageArtifact) -> None:
+        self.writer.accept(artifact)
+        rel = os.path.relpath(self.writer.written[-1], self.folder)
+        self.made.setdefault(artifact.stage, []).append(
+            _Made(artifact.label, rel, artifact.op_counts(), artifact.seconds))
+
+    def of(self, stages: Sequence[str]) -> list[_Made]:
+        return [m for stage in stages for m in self.made.get(stage, [])]
+
+
 class _Graph:
     """One graph Dynamo handed the lab: runs eagerly until the engine has compiled it."""
 
     def __init__(self, index: int, gm: torch.fx.GraphModule, example_inputs: list, grad: bool, mode: str) -> None:
         self.index, self.gm, self.example_inputs, self.grad, self.mode = index, gm, example_inputs, grad, mode
         self.reason = getattr(gm, "compile_subgraph_reason", None)
-        self.op_counts = torch_op_counts(gm)
+        self.op_counts = count_ops(gm)
         self.compiled: Callable | None = None
 
     def __call__(self, *args: Any) -> Any:
@@ -110,21 +103,20 @@ class _Graph:
 
 
 class _Pipeline:
-    """Fills the lab's stages by driving the engine (see Note [How the lab drives the engine])."""
+    """Fills the lab's steps by driving the engine (see Note [How the lab drives the engine])."""
 
     def __init__(self, model: torch.nn.Module, args: tuple, kwargs: dict, options: Options,
-                 debug: DebugOptions, loss_fn: LossFn) -> None:
+                 debug: DebugOptions, loss_fn: LossFn, sink: _LabSink) -> None:
         self.model, self.args, self.kwargs = model, args, kwargs
         self.options, self.debug, self.loss_fn = options, debug, loss_fn
-        self.prefix, self.folder = debug.onnx_prefix, debug.folder
+        self.sink = sink
         self.report = Report()
-        self.engine = OrtlabBackend(options, debug, self.report)
+        self.engine = OrtlabBackend(options, debug, self.report, sinks=[sink])
         self.graphs: list[_Graph] = []
         self.compiled_model: Callable | None = None
         self.compiled = False
         self.compile_error = ""
         self.compile_s = 0.0
-        self.durations: dict[str, float] = {}
 
     # ------------------------------------------------------------------------ backend
     def backend(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable:
@@ -132,7 +124,10 @@ class _Pipeline:
         needs_grad = grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
         graph = _Graph(len(self.graphs), gm, list(example_inputs), grad, "train" if needs_grad else "eval")
         self.graphs.append(graph)
-        StageWriter(self.debug, graph.index).fx("captured", graph.mode, gm)
+        self.sink.writer.accept(StageArtifact("captured", graph.index, graph.mode, content=gm))
+        self.sink.made.setdefault("captured", []).append(
+            _Made(label(graph.index), os.path.relpath(self.sink.writer.written[-1], self.sink.folder),
+                  graph.op_counts, 0.0))
         if self.compiled:  # a graph captured after the compile (a guard failed): compile it now
             self._compile_graph(graph)
         return graph
@@ -140,11 +135,9 @@ class _Pipeline:
     def _compile_graph(self, graph: _Graph) -> None:
         # AOTAutograd compiles the backward at the first backward call; the lab asks for
         # it now, so the backward's stages exist before the step stage runs.
-        eager_bw = {"force_non_lazy_backward_lowering": True} if _HAS_EAGER_BW else {}
-        with torch.set_grad_enabled(graph.grad), torch._functorch.config.patch(**eager_bw):
+        with torch.set_grad_enabled(graph.grad), eager_backward_lowering():
             graph.compiled = self.engine(graph.gm, graph.example_inputs)
         graph.example_inputs = []
-        self.durations = self._file_durations()
 
     def _compile(self) -> None:
         if self.compile_error:
@@ -161,51 +154,56 @@ class _Pipeline:
         self.compile_s = time.perf_counter() - start
         self.compiled = True
 
-    def _file_durations(self) -> dict[str, float]:
-        """Seconds from the previous file each capture's engine run wrote to each file."""
-        out: dict[str, float] = {}
-        for capture in self.report.captures:
-            files = sorted((f for f in set(capture.files) if os.path.exists(f)), key=lambda f: os.stat(f).st_mtime_ns)
-            previous = None
-            for path in files:
-                mtime = os.stat(path).st_mtime_ns
-                out[os.path.abspath(path)] = max(0.0, (mtime - previous) / 1e9) if previous is not None else 0.0
-                previous = mtime
-        return out
+    def _fill(self, stage: Stage) -> list[_Made]:
+        """Artifacts, op counts and engine-clock timings of a step from the stages the engine made."""
+        made = self.sink.of(_ENGINE_STAGES[stage.name])
+        for m in made:
+            stage.artifacts[m.label] = m.file
+            stage.graph_op_counts[m.label] = m.op_counts
+            stage.timings[f"{m.label} (engine clock)"] = m.seconds
+        stage.op_counts = _sum_counts(stage.graph_op_counts.values())
+        stage.seconds = sum(m.seconds for m in made)
+        return made
 
-    def _files(self, stage: str) -> dict[str, str]:
-        """label -> path relative to the lab folder, for one kind of stage file, in graph order."""
-        found = []
-        for name in os.listdir(self.folder):
-            info = parse_stage_file(name, self.prefix)
-            if info is not None and info["stage"] == stage:
-                part = info["part"]
-                order = int(part.rsplit("_", 1)[1]) if part and part.rsplit("_", 1)[-1].isdigit() else -1
-                graph_order = {"forward": 0, "backward": 1, "inference": 2}.get(info["graph"], 3)
-                found.append(((info["index"], graph_order, order), info["label"], name))
-        return {label: name for _, label, name in sorted(found)}
-
-    def _seconds(self, stage: Stage) -> None:
-        per = {label: self.durations.get(os.path.join(self.folder, rel), 0.0) for label, rel in stage.artifacts.items()}
-        stage.timings.update({f"{label} (from file times)": s for label, s in per.items()})
-        stage.seconds = sum(per.values())
-
-    # ---------------------------------------------------------------------- the stages
+    # ---------------------------------------------------------------------- the steps
     def run_stage(self, stage: Stage) -> None:
-        getattr(self, f"_stage_{stage.name}")(stage)
+        if stage.name == "captured":
+            self._captured(stage)
+        elif stage.name == "step":
+            self._step(stage)
+        else:
+            self._compile()
+            if stage.name == "joint":
+                stage.timings["engine: all stages of all graphs (wall)"] = self.compile_s
+            made = self._fill(stage)
+            if stage.name == "joint":
+                stage.fallbacks = [self._row(fb) for c in self.report.captures for fb in c.fallbacks]
+            elif stage.name == "split":
+                self._activations(stage)
+            elif stage.name == "exported":
+                self._exported(stage)
+            elif stage.name.startswith("ort_"):
+                level = self.options.graph_optimization_level
+                stage.timings["engine: sessions at the chosen level"] = sum(
+                    g.session_s for c in self.report.captures for g in c.graphs)
+                if stage.name == f"ort_{level}":
+                    stage.notes.append(f"The sessions run this level (graph_optimization_level={level!r}).")
+            if not made:
+                stage.status = "skipped"
+                stage.notes.append(self._skipped_reason(stage.name))
 
-    def _stage_captured(self, stage: Stage) -> None:
+    def _captured(self, stage: Stage) -> None:
         configure_torch()
         self.compiled_model = torch.compile(
             self.model, backend=self.backend, dynamic=self.options.dynamic, fullgraph=self.options.fallback == "raise"
         )
-        before = dict(counters["graph_break"])
+        before = dict(dynamo_counters["graph_break"])
         start = time.perf_counter()
         with torch.enable_grad():
             self.compiled_model(*self.args, **self.kwargs)
         stage.seconds = time.perf_counter() - start
         stage.timings["Dynamo capture and one eager run"] = stage.seconds
-        new = {r: c - before.get(r, 0) for r, c in counters["graph_break"].items() if c - before.get(r, 0) > 0}
+        new = {r: c - before.get(r, 0) for r, c in dynamo_counters["graph_break"].items() if c - before.get(r, 0) > 0}
         located: dict[str, str] = {}
         for g in self.graphs:
             if g.reason is not None and getattr(g.reason, "graph_break", False):
@@ -215,149 +213,59 @@ class _Pipeline:
         for reason, where in located.items():
             if reason not in new:
                 stage.graph_breaks.append(GraphBreak(_first(reason), 1, where, reason))
-        files = self._files("captured")
+        for m in self.sink.of(("captured",)):
+            stage.artifacts[m.label] = m.file
         for g in self.graphs:
-            label = f"g{g.index}"
-            stage.graph_op_counts[label] = g.op_counts
-            if label in files:
-                stage.artifacts[label] = files[label]
+            stage.graph_op_counts[label(g.index)] = g.op_counts
             inputs = sum(1 for n in g.gm.graph.nodes if n.op == "placeholder")
-            stage.notes.append(f"{label} ({g.mode}): {sum(g.op_counts.values())} ops, {inputs} inputs")
+            stage.notes.append(f"{label(g.index)} ({g.mode}): {sum(g.op_counts.values())} ops, {inputs} inputs")
         stage.op_counts = _sum_counts(stage.graph_op_counts.values())
         stage.summary = {"graphs": len(self.graphs), "graph_breaks": sum(b.count for b in stage.graph_breaks),
                          "modes": sorted({g.mode for g in self.graphs})}
         if not self.graphs:
             stage.notes.append("Dynamo captured no graph: the whole forward runs in PyTorch.")
 
-    def _stage_joint(self, stage: Stage) -> None:
-        self._compile()
-        stage.timings["engine: all stages of all graphs (wall)"] = self.compile_s
-        stage.artifacts = self._files("joint")
-        for label, rel in stage.artifacts.items():
-            with open(os.path.join(self.folder, rel)) as f:
-                stage.graph_op_counts[label] = fx_code_op_counts(f.read())
-        stage.op_counts = _sum_counts(stage.graph_op_counts.values())
-        self._seconds(stage)
-        stage.fallbacks = [self._row(fb) for c in self.report.captures for fb in c.fallbacks]
-        if not stage.artifacts:
-            stage.status = "skipped"
-            stage.notes.append(_no_files_reason(self.graphs, self.report, "joint"))
-
-    def _stage_split(self, stage: Stage) -> None:
-        self._compile()
-        for kind in ("forward", "backward", "inference"):
-            stage.artifacts.update(self._files(kind))
-        stage.artifacts = dict(sorted(stage.artifacts.items()))
-        for label, rel in stage.artifacts.items():
-            with open(os.path.join(self.folder, rel)) as f:
-                stage.graph_op_counts[label] = fx_code_op_counts(f.read())
-        stage.op_counts = _sum_counts(stage.graph_op_counts.values())
-        self._seconds(stage)
-        exported = self._files("exported")
+    def _activations(self, stage: Stage) -> None:
+        exported = self.sink.of(("exported",))
         saved = baseline = 0
         for capture in self.report.captures:
             plan = capture.plan
             if plan is None:
                 continue
             index: dict[str, str] = {}
-            for label, rel in exported.items():
-                if label.startswith(f"g{capture.index}.forward"):
-                    for name, target in onnx_node_index(os.path.join(self.folder, rel)).items():
+            for m in exported:
+                if m.label.startswith(label(capture.index, "forward")):
+                    for name, target in onnx_node_index(os.path.join(self.sink.folder, m.file)).items():
                         if index.get(name, name) == name:  # a producing node beats an input
                             index[name] = target
             saved, baseline = saved + plan.saved_bytes, baseline + plan.baseline_bytes
             stage.activations += [
-                ActivationRow(**{**dataclasses.asdict(a), "shape": list(a.shape)}, graph=f"g{capture.index}",
+                ActivationRow(**{**dataclasses.asdict(a), "shape": list(a.shape)}, graph=label(capture.index),
                               onnx_node=index.get(a.name, ""))
                 for a in plan.activations
             ]
             stage.notes.append(
-                f"g{capture.index}: recompute={plan.policy!r}: {len(plan.activations) - len(plan.recomputed)} saved, "
-                f"{len(plan.recomputed)} recomputed"
+                f"{label(capture.index)}: recompute={plan.policy!r}: "
+                f"{len(plan.activations) - len(plan.recomputed)} saved, {len(plan.recomputed)} recomputed"
             )
         stage.summary = {"saved_bytes": saved, "baseline_bytes": baseline,
                          "saved": sum(not a.recomputed for a in stage.activations),
                          "recomputed": sum(a.recomputed for a in stage.activations)}
-        if not stage.artifacts:
-            stage.status = "skipped"
-            stage.notes.append(_no_files_reason(self.graphs, self.report, "split"))
 
-    def _onnx_stage(self, stage: Stage, kind: str) -> None:
-        self._compile()
-        stage.artifacts = self._files(kind)
-        for label, rel in stage.artifacts.items():
-            stage.graph_op_counts[label] = onnx_op_counts(os.path.join(self.folder, rel))
-        stage.op_counts = _sum_counts(stage.graph_op_counts.values())
-        self._seconds(stage)
+    def _exported(self, stage: Stage) -> None:
         records = [g for c in self.report.captures for g in c.graphs]
-        if kind == "exported":
-            stage.timings["engine: export + onnxscript"] = sum(g.export_s for g in records)
-            stage.fallbacks = [self._row(fb, g.graph_module) for g in records for fb in g.fallbacks]
-            stage.fallbacks += [self._row(fb) for c in self.report.captures for fb in c.fallbacks]
-            stage.summary = {"onnxruntime_partitions": sum(g.ort_partitions for g in records),
-                             "pytorch_ops": sum(g.torch_nodes for g in records)}
-        elif kind.startswith("ort_"):
-            self._time_level(stage, kind[len("ort_"):])
-            level = self.options.graph_optimization_level
-            stage.timings["engine: sessions at the chosen level"] = sum(g.session_s for g in records)
-            if kind == f"ort_{level}":
-                stage.notes.append(f"The sessions run this level (graph_optimization_level={level!r}).")
-        if not stage.artifacts:
-            stage.status = "skipped"
-            stage.notes.append(_no_files_reason(self.graphs, self.report, kind, self.options))
-
-    def _time_level(self, stage: Stage, level: str) -> None:
-        """Time a session built at ``level`` from the model onnxruntime was given.
-
-        File times are too coarse for onnxruntime's optimizations (a few ms), so the
-        lab builds each level's session once more from the saved input model.
-        """
-        import onnxruntime as ort
-
-        inputs = {**self._files("exported"), **self._files("onnxscript")}
-        options = dataclasses.replace(self.options, profile=False)
-        providers = providers_for(self._device().type, options)
-        per: dict[str, float] = {}
-        for label in stage.artifacts:
-            if label not in inputs:
-                continue
-            so = session_options(options, self.debug, level=level)
-            start = time.perf_counter()
-            try:
-                ort.InferenceSession(os.path.join(self.folder, inputs[label]), sess_options=so, providers=providers)
-            except Exception as e:  # the engine saved this level, so this is unexpected: report, go on
-                stage.notes.append(f"{label}: could not time level {level}: {first_line(e)}")
-                continue
-            per[label] = time.perf_counter() - start
-        stage.timings.update({f"{label} (session at {level}, timed by the lab)": s for label, s in per.items()})
-        stage.seconds = sum(per.values())
-
-    def _device(self) -> torch.device:
-        for value in [*pytree.tree_leaves((self.args, self.kwargs)), *self.model.parameters()]:
-            if isinstance(value, torch.Tensor):
-                return value.device
-        return torch.device("cpu")
-
-    def _stage_exported(self, stage: Stage) -> None:
-        self._onnx_stage(stage, "exported")
-
-    def _stage_onnxscript(self, stage: Stage) -> None:
-        self._onnx_stage(stage, "onnxscript")
-
-    def _stage_ort_basic(self, stage: Stage) -> None:
-        self._onnx_stage(stage, "ort_basic")
-
-    def _stage_ort_extended(self, stage: Stage) -> None:
-        self._onnx_stage(stage, "ort_extended")
-
-    def _stage_ort_all(self, stage: Stage) -> None:
-        self._onnx_stage(stage, "ort_all")
+        stage.timings["engine: export + onnxscript"] = sum(g.export_s for g in records)
+        stage.fallbacks = [self._row(fb, g.graph_module) for g in records for fb in g.fallbacks]
+        stage.fallbacks += [self._row(fb) for c in self.report.captures for fb in c.fallbacks]
+        stage.summary = {"onnxruntime_partitions": sum(g.ort_partitions for g in records),
+                         "pytorch_ops": sum(g.torch_nodes for g in records)}
+        stage.notes.extend(note for g in records for note in g.notes)
 
     def close(self) -> None:
         """Drop the compiled graphs and their sessions."""
         self.compiled_model, self.graphs = None, []
 
-    def _stage_step(self, stage: Stage) -> None:
+    def _step(self, stage: Stage) -> None:
         self._compile()
         if self.compiled_model is None:
             raise OrtlabError("the captured stage has not run (or the lab was closed).")
@@ -395,18 +303,15 @@ class _Pipeline:
         if len(self.graphs) > graphs_before:
             stage.notes.append(f"Dynamo captured {len(self.graphs) - graphs_before} graph(s) again (a guard failed "
                                "or its cache was reset since the captured stage); they were compiled in this step.")
+        self._fill(stage)
         stage.timings = {"forward (first call)": forward_s, "backward (first call)": backward_s}
         stage.seconds = forward_s + backward_s
         records = [g for c in self.report.captures for g in c.graphs]
         stage.summary["onnxruntime_partitions"] = sum(g.ort_partitions for g in records)
         stage.summary["pytorch_ops"] = sum(g.torch_nodes for g in records)
         stage.summary["fallbacks"] = len(self.report.fallbacks)
-        stage.artifacts = self._files("execution")
-        for label, rel in stage.artifacts.items():
-            stage.graph_op_counts[label] = onnx_op_counts(os.path.join(self.folder, rel))
-        stage.op_counts = _sum_counts(stage.graph_op_counts.values())
         if not stage.artifacts:
-            stage.notes.append(_no_files_reason(self.graphs, self.report, "execution", self.options))
+            stage.notes.append(self._skipped_reason("step"))
 
     # ------------------------------------------------------------------------- helpers
     def _row(self, fb: Fallback, gm: torch.fx.GraphModule | None = None) -> FallbackRow:
@@ -415,7 +320,22 @@ class _Pipeline:
             node = next((n for n in gm.graph.nodes if n.name == fb.node), None)
             if node is not None:
                 values += [u.name for u in node.users]
-        return FallbackRow(fb.scope, fb.where, fb.reason, fb.node, fb.op, fb.module, fb.source, values)
+        return FallbackRow(**dataclasses.asdict(fb), values=values)
+
+    def _skipped_reason(self, step: str) -> str:
+        if not self.graphs:
+            return "Skipped: Dynamo captured no graph."
+        if step == "joint" and all(g.mode == "eval" for g in self.graphs):
+            return ("Skipped: every graph was captured in eval mode (grad disabled, or nothing requires grad): "
+                    "there is no backward graph.")
+        whole = [fb for fb in self.report.fallbacks if fb.scope == "graph"]
+        if whole:
+            return f"Skipped: {len(whole)} graph(s) run in PyTorch: {whole[0].reason}"
+        if step == "onnxscript" and self.options.graph_optimization_level == "disable":
+            return "Skipped: graph_optimization_level='disable' turns onnxscript's optimizer off."
+        if self.options.cache_dir and any(g.cached for c in self.report.captures for g in c.graphs):
+            return "Skipped: the models came from the on-disk cache (cache_dir), so this stage did not run."
+        return f"Skipped: the engine produced no {step} stage."
 
 
 def _first(text: str) -> str:
@@ -429,22 +349,6 @@ def _sum_counts(parts: Any) -> dict[str, int]:
         for op, n in counts.items():
             total[op] = total.get(op, 0) + n
     return dict(sorted(total.items(), key=lambda kv: (-kv[1], kv[0])))
-
-
-def _no_files_reason(graphs: list[_Graph], report: Report, kind: str, options: Options | None = None) -> str:
-    if not graphs:
-        return "Skipped: Dynamo captured no graph."
-    if kind == "joint" and all(g.mode == "eval" for g in graphs):
-        return ("Skipped: every graph was captured in eval mode (grad disabled, or nothing requires grad): "
-                "there is no backward graph.")
-    whole = [fb for fb in report.fallbacks if fb.scope == "graph"]
-    if whole:
-        return f"Skipped: {len(whole)} graph(s) run in PyTorch: {whole[0].reason}"
-    if options is not None and kind == "onnxscript" and options.graph_optimization_level == "disable":
-        return "Skipped: graph_optimization_level='disable' turns onnxscript's optimizer off."
-    if options is not None and options.cache_dir and any(g.cached for c in report.captures for g in c.graphs):
-        return "Skipped: the models came from the on-disk cache (cache_dir), so this stage did not run."
-    return f"Skipped: the engine saved no {kind} file."
 
 
 def _describe(value: Any) -> str:
@@ -473,7 +377,7 @@ def explore(
         *example_inputs: positional inputs of one call.
         example_kwargs: keyword inputs of that call.
         loss_fn: ``output -> scalar tensor`` for the step's backward; default
-            :func:`default_loss` (the first differentiable scalar, else the sum).
+            :func:`~ortlab.inspect.loss.default_loss`.
         folder: where the stages are saved; default a temporary folder that is
             deleted with the lab (use ``lab.save(folder)`` to keep it).
         **options: engine options, as for ``ORTModule`` (``recompute``, ``fallback_ops``...).
@@ -485,8 +389,7 @@ def explore(
         >>> lab["exported"].view(node="addmm")         # doctest: +SKIP
     """
     if isinstance(model, ORTModule):
-        current = {f.name: getattr(model.options, f.name) for f in dataclasses.fields(Options) if f.name != "from_env"}
-        options = {**current, **options}
+        options = {**model.options.as_dict(), **options}
         model = model.module
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedInputError(f"explore takes a torch.nn.Module, got {type(model).__name__}.")
@@ -495,19 +398,20 @@ def explore(
     folder = os.path.abspath(folder or tempfile.mkdtemp(prefix="ortlab_lab_"))
     os.makedirs(folder, exist_ok=True)
     prefix = re.sub(r"\W+", "_", type(model).__name__).strip("_").lower() or "model"
-    debug = DebugOptions(save_onnx=True, onnx_prefix=prefix, save_path=folder)
-    # ORTLAB_SAVE_* variables override DebugOptions given in code; the lab needs its own folder.
-    debug.save_onnx, debug.onnx_prefix, debug.save_path = True, prefix, folder
+    # The lab is its own stage sink; stages are not also written where ORTLAB_SAVE_* point.
+    debug = DebugOptions(onnx_prefix=prefix)  # a prefix, should ORTLAB_SAVE_ONNX=1 be set
+    debug.save_onnx = False
     kwargs = dict(example_kwargs or {})
     meta = {
         "model": type(model).__name__,
         "prefix": prefix,
-        "options": {f.name: getattr(opts, f.name) for f in dataclasses.fields(Options) if f.name != "from_env"},
+        "options": opts.as_dict(),
         "inputs": [_describe(v) for v in example_inputs] + [f"{k}={_describe(v)}" for k, v in kwargs.items()],
         "created": datetime.datetime.now().isoformat(timespec="seconds"),
         "versions": {"torch": torch.__version__, "onnxruntime": _ort_version()},
     }
-    pipeline = _Pipeline(model, tuple(example_inputs), kwargs, opts, debug, loss_fn or default_loss)
+    pipeline = _Pipeline(model, tuple(example_inputs), kwargs, opts, debug, loss_fn or default_loss,
+                         _LabSink(folder, prefix))
     lab = Lab(folder, driver=pipeline, meta=meta, owns_folder=owns)
     lab._write_manifest()
     return lab

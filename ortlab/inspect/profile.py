@@ -6,8 +6,8 @@ op type after onnxruntime's fusions) and ``dur`` in microseconds. Every ONNX nod
 ortlab exports carries ``ortlab.fx_node``, ``ortlab.module``, ``ortlab.op`` and
 ``ortlab.source`` metadata, so a kernel leads back to the nn.Module and the line that
 made it. onnxruntime renames the nodes it fuses (``node_addmm/GemmTransposeFusion/``,
-``fused node_addmm/...``): the part before the first ``/`` is the ONNX node that
-survived the fusion.
+``fused node_addmm/...``): ``ortlab.provenance.onnx_node_of`` reads the ONNX node that
+survived the fusion back out of such a name.
 
 Note [Sampling the profiler in windows]
 onnxruntime's profiler cannot be paused: ``enable_profiling`` is fixed when a
@@ -41,13 +41,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ortlab.errors import OrtlabError, first_line
-from ortlab.onnx.provenance import node_provenance
+from ortlab.provenance import node_provenance, onnx_node_of
 
 __all__ = [
     "NodeTime",
     "Aggregate",
     "ProfileWindow",
-    "onnx_node_name",
     "node_provenance",
     "parse_profile",
     "aggregate",
@@ -127,22 +126,6 @@ class Aggregate:
     share: float
 
 
-def onnx_node_name(event_name: str) -> str:
-    """The ONNX node an onnxruntime profile event names.
-
-    Strips ``_kernel_time``, the ``fused`` prefix and the fusion suffix onnxruntime
-    appends after ``/``.
-
-    Example:
-        >>> onnx_node_name("fused node_addmm/GemmTransposeFusion/_kernel_time")
-        'node_addmm'
-    """
-    name = event_name[: -len(_KERNEL_SUFFIX)] if event_name.endswith(_KERNEL_SUFFIX) else event_name
-    if name.startswith("fused "):
-        name = name[len("fused ") :]
-    return name.split("/")[0]
-
-
 def _load_events(profile: str | os.PathLike | Sequence[dict]) -> list[dict]:
     if isinstance(profile, (str, os.PathLike)):
         with open(profile, encoding="utf-8") as f:
@@ -197,7 +180,7 @@ def parse_profile(
         name = e.get("name", "")
         if not name.endswith(_KERNEL_SUFFIX) or e.get("ts", 0) < cutoff:
             continue
-        node = onnx_node_name(name)
+        node = onnx_node_of(name)
         args = e.get("args") or {}
         acc = totals.get(node)
         if acc is None:
@@ -331,8 +314,8 @@ def _graph_parts(ortmodule: Any) -> list[tuple[str, Any, Any]]:
     parts = []
     for capture in ortmodule.report.captures:
         for graph in capture.graphs:
-            for runner, exported in graph.parts:
-                parts.append((f"g{capture.index}.{graph.name}", runner, exported))
+            for part in graph.parts:
+                parts.append((graph.label, part.runner, part.exported))
     return parts
 
 

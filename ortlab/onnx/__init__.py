@@ -1,5 +1,5 @@
-"""FX graph -> ONNX through torch.onnx's exporter and onnxscript's torchlib."""
+"""Export: FX graph -> ONNX through torch.onnx's translator (torchlib), then onnxscript's optimizer."""
 
-from ortlab.onnx.export import ExportedGraph, export_graph, get_registry, unsupported_nodes
+from ortlab.onnx.export import ExportedGraph, export_graph
 
-__all__ = ["ExportedGraph", "export_graph", "get_registry", "unsupported_nodes"]
+__all__ = ["ExportedGraph", "export_graph"]

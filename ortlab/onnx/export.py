@@ -19,7 +19,6 @@ On top of the translation this module adds what training needs:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import logging
@@ -27,51 +26,27 @@ import time
 from collections.abc import Iterator
 
 import onnx_ir as ir
-from onnx_ir.passes.common import InlinePass
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.onnx._internal.exporter import _constants, _core, _fx_passes, _ir_passes
+from onnx_ir.passes.common import InlinePass
 
-from ortlab.capture.decompositions import get_registry, is_translated
-from ortlab.capture.provenance import module_path, op_name, source_line
+from ortlab._compat.torch import (
+    EXPORTER_LOGGERS,
+    ONNX_IR_VERSION,
+    add_opset_imports,
+    insert_type_promotion_nodes,
+    set_value_type,
+    translate_fx_graph,
+    unset_fake_temporarily,
+)
 from ortlab.errors import ExportError, first_line
-from ortlab.onnx.translations import is_single_index_accumulate
+from ortlab.provenance import module_path, op_name, source_line
+from ortlab.stages import count_ops
+from ortlab.torchlib import get_registry
 
-__all__ = ["ExportedGraph", "bypass_output_identities", "export_graph", "unsupported_nodes", "get_registry", "value_kind"]
+__all__ = ["ExportedGraph", "bypass_output_identities", "export_graph", "value_kind"]
 
 logger = logging.getLogger(__name__)
-
-# Ops that always run in PyTorch, with the reason shown to the user.
-RANDOM_OPS = {
-    "aten.native_dropout": "random op: runs in PyTorch so the random stream matches eager PyTorch",
-    "aten.bernoulli": "random op: runs in PyTorch so the random stream matches eager PyTorch",
-    "aten.rand": "random op: runs in PyTorch so the random stream matches eager PyTorch",
-    "aten.rand_like": "random op: runs in PyTorch so the random stream matches eager PyTorch",
-    "aten.randn": "random op: runs in PyTorch so the random stream matches eager PyTorch",
-    "aten.randn_like": "random op: runs in PyTorch so the random stream matches eager PyTorch",
-    "aten.randint": "random op: runs in PyTorch so the random stream matches eager PyTorch",
-    "aten.randperm": "random op: runs in PyTorch so the random stream matches eager PyTorch",
-    "aten.multinomial": "random op: runs in PyTorch so the random stream matches eager PyTorch",
-}
-
-
-def _accumulating_index_put(node: torch.fx.Node) -> bool:
-    accumulate = node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False)
-    return bool(accumulate) and not is_single_index_accumulate(node)
-
-
-# Translations that exist but give wrong results in onnxruntime: (op, predicate, reason).
-# ScatterND(reduction="add") on onnxruntime's CPU provider loses updates when indices
-# repeat: we measured grads off by 10-30 on repeated tokens, different on every run.
-# The embedding form has our own exact translation (onnx/translations.py); the others
-# stay in PyTorch.
-KNOWN_WRONG = (
-    ("aten._unsafe_index_put", _accumulating_index_put,
-     "onnxruntime's ScatterND(reduction=add) races on repeated indices (wrong, non-deterministic sums)"),
-    ("aten.index_put", _accumulating_index_put,
-     "onnxruntime's ScatterND(reduction=add) races on repeated indices (wrong, non-deterministic sums)"),
-)
 
 
 def value_kind(val: object) -> str | None:
@@ -120,8 +95,8 @@ class ExportedGraph:
         return [v.name for v in self.model.graph.outputs]
 
     def op_counts(self) -> dict[str, int]:
-        """ONNX op types and how often each occurs."""
-        return dict(collections.Counter(n.op_type for n in self.model.graph).most_common())
+        """ONNX op types and how often each occurs (``ortlab.stages.count_ops``)."""
+        return count_ops(self.model)
 
     def to_bytes(self) -> bytes:
         try:
@@ -130,31 +105,10 @@ class ExportedGraph:
             raise ExportError(f"could not serialize graph {self.model.graph.name!r}: {first_line(e)}") from e
 
 
-def unsupported_nodes(gm: torch.fx.GraphModule, cache_dir: str | None = None) -> dict[str, str]:
-    """FX nodes that cannot run in onnxruntime, each with the reason."""
-    reasons: dict[str, str] = {}
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        name = op_name(node)
-        if name in RANDOM_OPS:
-            reasons[node.name] = RANDOM_OPS[name]
-            continue
-        for op, predicate, reason in KNOWN_WRONG:
-            if name == op and predicate(node):
-                reasons[node.name] = reason
-                break
-        if node.name in reasons:
-            continue
-        if not is_translated(node.target, cache_dir):
-            reasons[node.name] = f"no ONNX translation for {node.target} in torchlib"
-    return reasons
-
-
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
     """torch.onnx warns per node about missing module stacks and None outputs; we report those ourselves."""
-    core_logger = logging.getLogger(_core.__name__)
+    core_logger = logging.getLogger(EXPORTER_LOGGERS[0])
     old = core_logger.level
     core_logger.setLevel(logging.ERROR)
     try:
@@ -203,7 +157,7 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
 
     Args:
         gm: a functional aten FX graph from AOTAutograd (every op translatable:
-            split off unsupported ops first, see ``runtime.split``).
+            split off the ops placed in PyTorch first, see ``ortlab.runtime.split``).
         name: the ONNX graph name.
 
     Raises:
@@ -215,10 +169,10 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
     """
     start = time.perf_counter()
     registry = get_registry()
-    _fx_passes.insert_type_promotion_nodes(gm)
+    insert_type_promotion_nodes(gm)
     model = ir.Model(
         graph=ir.Graph([], [], nodes=[], name=name),
-        ir_version=_constants.ONNX_IR_VERSION,
+        ir_version=ONNX_IR_VERSION,
         producer_name="ortlab",
         producer_version=torch.__version__,
     )
@@ -235,14 +189,7 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
         input_kinds.append(value_kind(node.meta["val"]))
     try:
         with _quiet_exporter():
-            values = _core._translate_fx_graph(
-                gm.graph,
-                model,
-                graph_like=model.graph,
-                owned_graphs={},
-                lower="at_conversion",
-                registry=registry,
-            )
+            values = translate_fx_graph(gm.graph, model, registry)
     except Exception as e:  # torch.onnx raises ConversionError/DispatchError and others
         raise ExportError(f"could not translate graph {name!r} to ONNX: {e}") from e
 
@@ -289,7 +236,7 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
             value = ident.outputs[0]
             value.name = f"{out.name}_out{i}"
         value.dtype = None  # re-derive from the FX value: torchlib's guesses can be off
-        _core._set_shape_type(value, val, complex_to_float=True)
+        set_value_type(value, val)
         output_sources.append(None)
         graph.outputs.append(value)
 
@@ -314,7 +261,7 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
             node.metadata_props["ortlab.module"] = module_path(fx_node)
             node.metadata_props["ortlab.source"] = source_line(fx_node)
     bypass_output_identities(model)
-    _ir_passes.add_opset_imports(model)
+    add_opset_imports(model)
     # onnxruntime 1.31 reads IR version <= 13 while torch's exporter targets newer ones.
     model.ir_version = min(model.ir_version, 10)
     return ExportedGraph(model, input_kinds, output_kinds, output_dtypes, output_sources, time.perf_counter() - start)

@@ -24,10 +24,11 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx
-from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 from torch.utils.checkpoint import CheckpointPolicy
 
-from ortlab.capture.provenance import module_path, op_name, source_line
+from ortlab._compat.torch import OpOverload, default_partition, forward_region, min_cut_rematerialization_partition
+from ortlab.provenance import module_path, op_name, source_line
+from ortlab.sizes import value_bytes
 
 __all__ = ["SavedActivation", "RecomputePlan", "partition_joint"]
 
@@ -105,24 +106,6 @@ class RecomputePlan:
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
 
 
-def _hint(size: int | torch.SymInt) -> int:
-    """The example value of a (possibly symbolic) size."""
-    if isinstance(size, int):
-        return size
-    hint = size.node.hint
-    return int(hint) if hint is not None else 1
-
-
-def _nbytes(val: object) -> tuple[tuple[int, ...], str, int]:
-    if not isinstance(val, torch.Tensor):
-        return (), type(val).__name__, 8
-    shape = tuple(_hint(s) for s in val.shape)
-    numel = 1
-    for s in shape:
-        numel *= s
-    return shape, str(val.dtype).replace("torch.", ""), numel * val.element_size()
-
-
 def _saved_nodes(fw: torch.fx.GraphModule, num_fwd_outputs: int) -> list[str]:
     out = next(n for n in reversed(fw.graph.nodes) if n.op == "output")
     saved = list(out.args[0])[num_fwd_outputs:]
@@ -142,7 +125,7 @@ def _recomputable(node: torch.fx.Node) -> bool:
     if node.op != "call_function" or not tensors:
         return False
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         if torch.Tag.nondeterministic_seeded in target.tags or target._schema.is_mutable:
             return False
     return True
@@ -213,14 +196,8 @@ def _used_by_backward(joint: torch.fx.GraphModule) -> list[str]:
     """The nodes ``default_partition`` would save, without building its graphs (~0.25 s
     on a 4-layer GPT): its forward region (every non-tangent node up to the last one
     tagged forward, the original placement) read from outside that region."""
-    from torch._functorch import partitioners as _p  # its own region rules, private helpers
-
     nodes = list(joint.graph.nodes)
-    last = max(
-        (i for i, n in enumerate(nodes) if _p._has_tag_is_forward(n) or _p._is_primal(n) or _p._is_fwd_seed_offset(n)),
-        default=-1,
-    )
-    forward = {n for n in nodes[: last + 1] if not _p._is_tangent(n) and n.op != "output"}
+    forward = forward_region(joint)
     return [
         n.name
         for n in nodes
@@ -299,7 +276,7 @@ def partition_joint(
         if node is not None and _producer(node).op == "placeholder":
             continue  # a view of a parameter or input: alive anyway, not an activation
         val = (node.meta.get("val") if node is not None else None)
-        shape, dtype, nbytes = _nbytes(val)
+        shape, dtype, nbytes = value_bytes(val)
         recomputed = name not in saved
         reason = reasons.get(name, "min-cut partitioner: cheaper to recompute than to save" if recomputed else "")
         activations.append(
@@ -320,7 +297,7 @@ def partition_joint(
     for name in saved:
         node = fw_nodes.get(name)
         if node is not None and _producer(node).op != "placeholder":
-            saved_bytes += _nbytes(node.meta.get("val"))[2]
+            saved_bytes += value_bytes(node.meta.get("val"))[2]
     plan = RecomputePlan(
         policy=policy if isinstance(policy, str) else ",".join(policy),
         activations=activations,

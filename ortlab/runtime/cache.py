@@ -17,15 +17,13 @@ import hashlib
 import json
 import logging
 import os
-import platform
 from typing import Any
 
-import onnx
-import onnxruntime
-import onnxscript
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from ortlab._compat.torch import unset_fake_temporarily
+from ortlab._versions import library_versions
 
 __all__ = ["cache_key", "CacheEntry", "load_entry", "store_meta"]
 
@@ -33,14 +31,6 @@ logger = logging.getLogger(__name__)
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
-
-
-def library_versions() -> str:
-    """The versions a cached artifact depends on."""
-    from ortlab import __version__
-
-    return "|".join((torch.__version__, onnx.__version__, onnxscript.__version__, onnxruntime.__version__,
-                     __version__, platform.machine()))
 
 
 def _placeholder_meta(gm: torch.fx.GraphModule) -> list[str]:

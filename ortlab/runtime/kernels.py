@@ -14,7 +14,10 @@ import functools
 import logging
 
 import onnx_ir as ir
-import onnxruntime as ort
+
+from ortlab.config import Options
+from ortlab.errors import SessionError
+from ortlab.runtime.session import build_session
 
 __all__ = ["LOW_PRECISION", "low_precision_nodes", "missing_kernels"]
 
@@ -68,13 +71,10 @@ def _probe_model(node: ir.Node, opset: int) -> bytes | None:
 
 @functools.lru_cache(maxsize=4096)
 def _has_kernel(signature: tuple, model_bytes: bytes, providers: tuple[str, ...]) -> bool:
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 4
     try:
-        ort.InferenceSession(model_bytes, sess_options=so, providers=list(providers))
+        build_session(model_bytes, Options(), providers=providers, level="disable", quiet=True)
         return True
-    except Exception as e:  # onnxruntime's NOT_IMPLEMENTED / INVALID_GRAPH
+    except SessionError as e:  # onnxruntime's NOT_IMPLEMENTED / INVALID_GRAPH
         logger.debug("no kernel for %s: %s", signature[:2], e)
         return False
 

@@ -7,25 +7,28 @@ copy) and outputs, allocated by onnxruntime, are handed to torch through DLPack
 are inputs like any other, so no parameter is ever copied per step.
 Non-contiguous inputs are made contiguous first (onnxruntime needs dense tensors).
 
-A runner also keeps what its session was built from (:class:`SessionSource`), so
-inspection tools can build a session like it (a profiling twin, see
-``ortlab.runtime.profiling``) and swap it in between calls with
-:meth:`OrtRunner.swap_session`, without reaching into onnxruntime's private attributes.
+The C binding behind this is onnxruntime's private API, reached through
+``ortlab._compat.onnxruntime`` (see Note [Zero-copy runs through onnxruntime's C binding]).
+
+A runner also keeps what its session was built from (``SessionSource``, from the
+session builder), so inspection tools can build a session like it (a profiling twin,
+see ``ortlab.runtime.profiling``) and swap it in between calls with
+:meth:`OrtRunner.swap_session`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 import torch
-from onnxruntime.capi import _pybind_state as C
 
-from ortlab.errors import SessionError
+from ortlab._compat.onnxruntime import OrtValueVector, RunOptions, ort_device, session_core, value_from_dlpack
+from ortlab._compat.torch import from_dlpack_capsule
+from ortlab.errors import InternalError, SessionError
+from ortlab.runtime.session import SessionSource
 
-__all__ = ["OrtRunner", "SessionSource", "ort_device"]
+__all__ = ["OrtRunner"]
 
 _NP_DTYPES = {
     torch.float32: np.dtype(np.float32),
@@ -40,54 +43,6 @@ _NP_DTYPES = {
 }
 
 _SCALAR_DTYPES = {"int": torch.int64, "float": torch.float32, "bool": torch.bool}
-
-
-# onnxruntime < 1.32 takes (capsule, is_bool_tensor); 1.32 reads the dtype from the capsule alone.
-_DLPACK_BOOL_ARG = "is_bool_tensor" in (C.OrtValue.from_dlpack.__doc__ or "")
-
-
-def _from_dlpack(t: torch.Tensor) -> C.OrtValue:
-    """An OrtValue sharing ``t``'s memory through DLPack."""
-    if _DLPACK_BOOL_ARG:
-        return C.OrtValue.from_dlpack(t.detach().__dlpack__(), t.dtype == torch.bool)
-    return C.OrtValue.from_dlpack(t.detach().__dlpack__())
-
-
-def ort_device(device: torch.device) -> C.OrtDevice:
-    """onnxruntime's description of a torch device."""
-    if device.type == "cuda":
-        return C.OrtDevice(C.OrtDevice.cuda(), C.OrtDevice.default_memory(), device.index or 0)
-    return C.OrtDevice(C.OrtDevice.cpu(), C.OrtDevice.default_memory(), 0)
-
-
-@dataclasses.dataclass(frozen=True)
-class SessionSource:
-    """What a session was built from: enough to build another one like it.
-
-    Attributes:
-        model: the serialized model the session loaded (the bytes object the session
-            already holds, not a copy), or the path it was loaded from.
-        sess_options: the ``SessionOptions`` the session was created with.
-        providers: its execution providers, in order of precedence.
-        provider_options: one options dict per provider.
-
-    Example:
-        >>> source = SessionSource.of(session, model_bytes)      # doctest: +SKIP
-        >>> source.providers                                      # doctest: +SKIP
-        ['CPUExecutionProvider']
-    """
-
-    model: bytes | str
-    sess_options: ort.SessionOptions = dataclasses.field(repr=False)
-    providers: list[str]
-    provider_options: list[dict[str, Any]]
-
-    @classmethod
-    def of(cls, session: ort.InferenceSession, model: bytes | str) -> SessionSource:
-        """The source of ``session``, built from ``model``; the rest is read from the session."""
-        providers = session.get_providers()
-        options = session.get_provider_options()
-        return cls(model, session.get_session_options(), providers, [dict(options.get(p, {})) for p in providers])
 
 
 class OrtRunner:
@@ -119,7 +74,7 @@ class OrtRunner:
         # node name -> {fx_node, module, op, source}, set for models loaded from the on-disk
         # cache (their optimized model lost the nodes' metadata); None otherwise.
         self.provenance: dict[str, dict[str, str]] | None = None
-        self._sess = session._sess
+        self._sess = session_core(session)
         self.input_names = [i.name for i in session.get_inputs()]
         self.output_names = [o.name for o in session.get_outputs()]
         self.input_kinds = input_kinds
@@ -127,14 +82,14 @@ class OrtRunner:
         self.output_dtypes = output_dtypes
         self.output_sources = output_sources
         self.device = device
-        self._ort_device = ort_device(device)
+        self._ort_device = ort_device(device.type, device.index or 0)
         self._in_devices = [self._ort_device] * len(self.input_names)
         self._out_devices = [self._ort_device] * len(self.output_names)
-        self._run_options = C.RunOptions()
+        self._run_options = RunOptions()
         if len(self.input_names) != len(input_kinds):
-            raise SessionError(
-                f"session has {len(self.input_names)} inputs but the graph has {len(input_kinds)}; "
-                "onnxruntime dropped or added inputs (this is a bug in ortlab)"
+            raise InternalError(
+                f"the session has {len(self.input_names)} inputs but the graph has {len(input_kinds)} "
+                "(onnxruntime dropped or added inputs)", context=session.get_modelmeta().graph_name
             )
 
     def swap_session(self, session: ort.InferenceSession) -> ort.InferenceSession:
@@ -160,10 +115,10 @@ class OrtRunner:
             raise SessionError(
                 f"cannot swap in a session with inputs {inputs} and outputs {outputs}: the runner's session has "
                 f"inputs {self.input_names} and outputs {self.output_names}. Build the new session from "
-                "runner.session_source (see ortlab.runtime.profiling.profiling_twin)."
+                "runner.session_source.rebuild() (see ortlab.runtime.profiling.profiling_twin)."
             )
         old = self.session
-        self.session, self._sess = session, session._sess
+        self.session, self._sess = session, session_core(session)
         return old
 
     def _as_tensor(self, value: object, kind: str) -> torch.Tensor:
@@ -174,7 +129,7 @@ class OrtRunner:
 
     def __call__(self, *args: object) -> list:
         tensors = [self._as_tensor(a, k) for a, k in zip(args, self.input_kinds)]
-        inputs = C.OrtValueVector()
+        inputs = OrtValueVector()
         inputs.reserve(len(tensors))
         try:
             np_dtypes = [_NP_DTYPES[t.dtype] for t in tensors]
@@ -186,12 +141,12 @@ class OrtRunner:
             )
         else:
             for t in tensors:
-                inputs.push_back(_from_dlpack(t))
-        outputs = C.OrtValueVector()
+                inputs.push_back(value_from_dlpack(t.detach().__dlpack__(), t.dtype == torch.bool))
+        outputs = OrtValueVector()
         self._sess.run_with_ortvaluevector(
             self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
         )
-        produced = iter(outputs.to_dlpacks(torch._C._from_dlpack))
+        produced = iter(outputs.to_dlpacks(from_dlpack_capsule))
         result: list = []
         for kind, dtype, source in zip(self.output_kinds, self.output_dtypes, self.output_sources):
             if kind is None:

@@ -1,18 +1,44 @@
-"""onnxruntime sessions: options, providers and the optimized models they run."""
+"""The one place ortlab builds onnxruntime sessions, and decides how each runs.
+
+Every ``InferenceSession`` of ortlab comes from :func:`build_session`: the sessions of
+the graphs it trains, those loaded from the on-disk cache, profiling twins, the models
+saved at each optimization level, the probes that ask onnxruntime for a kernel, and the
+inspection tools' sessions. It takes the model, the options, the graph's device and a
+pinned provider list (or none), and returns a :class:`BuiltSession`: the session, what
+it was built from (so a tool can build another like it, :meth:`SessionSource.rebuild`)
+and the decisions it made (providers, threads) with their reasons.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import os
 import re
+import tempfile
 import time
+from collections.abc import Sequence
 
 import onnxruntime as ort
 
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import DeviceError, SessionError, first_line
 
-__all__ = ["choose_threads", "providers_for", "session_options", "create_session", "save_optimized_models", "failing_node"]
+__all__ = [
+    "SMALL_GRAPH_FLOPS",
+    "ProviderChoice",
+    "ThreadChoice",
+    "SessionSource",
+    "BuiltSession",
+    "choose_providers",
+    "choose_threads",
+    "build_session",
+    "optimized_model",
+    "shared_cpu_arena",
+    "PROFILE_PREFIX",
+    "unique_profile_prefix",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -23,66 +49,57 @@ _LEVELS = {
     "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 }
 
+# Below this many FLOPs a graph runs faster on one thread: waking onnxruntime's
+# pool costs more than it saves (tiny MLP: 52 -> 37 us per run, measured).
+SMALL_GRAPH_FLOPS = 10_000_000
 
-def providers_for(device_type: str, options: Options) -> list[str]:
-    """Execution providers for a graph whose tensors live on ``device_type``."""
+
+@dataclasses.dataclass(frozen=True)
+class ProviderChoice:
+    """The execution providers a session runs on, in order of precedence, and why."""
+
+    providers: tuple[str, ...]
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadChoice:
+    """onnxruntime's intra-op threads for a session (``None``: its default), and why."""
+
+    threads: int | None
+    reason: str
+
+
+def choose_providers(device_type: str, options: Options) -> ProviderChoice:
+    """Execution providers for a graph whose tensors live on ``device_type``.
+
+    Raises:
+        DeviceError: for CUDA tensors without onnxruntime-gpu, or another device type.
+    """
     if options.providers is not None:
-        return list(options.providers)
+        return ProviderChoice(tuple(options.providers), "pinned by the providers option")
     if device_type == "cpu":
-        return ["CPUExecutionProvider"]
+        return ProviderChoice(("CPUExecutionProvider",), "the graph's tensors are on the CPU")
     if device_type == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise DeviceError(
                 "inputs are on CUDA but this onnxruntime has no CUDAExecutionProvider; "
                 "install the GPU build (pip install 'ortlab[gpu]') or move the model and inputs to CPU."
             )
-        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+        return ProviderChoice(("CUDAExecutionProvider", "CPUExecutionProvider"),
+                              "the graph's tensors are on CUDA (the CPU provider takes what CUDA lacks)")
     raise DeviceError(f"device type {device_type!r} is not supported; use cpu or cuda tensors.")
 
 
-# Below this many FLOPs a graph runs faster on one thread: waking onnxruntime's
-# pool costs more than it saves (tiny MLP: 52 -> 37 us per run, measured).
-SMALL_GRAPH_FLOPS = 10_000_000
-
-
-def choose_threads(options: Options, flops: int) -> tuple[int | None, str]:
+def choose_threads(options: Options, flops: int) -> ThreadChoice:
     """Intra-op threads for a graph of ``flops`` matmul FLOPs, and why."""
     if options.intra_op_num_threads is not None:
-        return options.intra_op_num_threads, f"{options.intra_op_num_threads} (intra_op_num_threads option)"
+        n = options.intra_op_num_threads
+        return ThreadChoice(n, f"{n} (intra_op_num_threads option)")
     if flops < SMALL_GRAPH_FLOPS:
-        return 1, f"1 (small graph: {flops:,} matmul FLOPs < {SMALL_GRAPH_FLOPS:,}; a thread pool costs more than it saves)"
-    return None, "onnxruntime's default (one per core)"
-
-
-def session_options(
-    options: Options,
-    debug: DebugOptions,
-    *,
-    level: str | None = None,
-    optimized_path: str | None = None,
-    threads: int | None = None,
-) -> ort.SessionOptions:
-    """SessionOptions for a training graph."""
-    so = ort.SessionOptions()
-    so.graph_optimization_level = _LEVELS[level or options.graph_optimization_level]
-    so.log_severity_level = debug.log_level.to_ort_severity()
-    if threads is not None:
-        so.intra_op_num_threads = threads
-    if options.profile:
-        so.enable_profiling = True
-        # One prefix per session: onnxruntime names the file by start time only, so two
-        # sessions starting in the same millisecond would otherwise write the same file.
-        from ortlab.runtime.profiling import profile_prefix  # profiling imports the runner
-
-        so.profile_file_prefix = profile_prefix()
-    if optimized_path is not None:
-        so.optimized_model_filepath = optimized_path
-    if shared_cpu_arena():
-        so.add_session_config_entry("session.use_env_allocators", "1")
-    # onnxruntime's idle threads spin by default, burning the cores PyTorch needs for
-    # the ops between sessions (fallback ops, the optimizer, the data loader).
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return so
+        return ThreadChoice(1, f"1 (small graph: {flops:,} matmul FLOPs < {SMALL_GRAPH_FLOPS:,}; "
+                               "a thread pool costs more than it saves)")
+    return ThreadChoice(None, "onnxruntime's default (one per core)")
 
 
 # Note [One CPU arena for all sessions]
@@ -109,51 +126,178 @@ def shared_cpu_arena() -> bool:
     return _SHARED_ARENA[0]
 
 
-def create_session(
-    model_bytes: bytes,
+def _session_options(
+    level: str, log_severity: int, threads: int | None, optimized_path: str | None, profile_prefix: str | None
+) -> ort.SessionOptions:
+    so = ort.SessionOptions()
+    so.graph_optimization_level = _LEVELS[level]
+    so.log_severity_level = log_severity
+    if threads is not None:
+        so.intra_op_num_threads = threads
+    if profile_prefix is not None:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile_prefix
+    if optimized_path is not None:
+        so.optimized_model_filepath = optimized_path
+    if shared_cpu_arena():
+        so.add_session_config_entry("session.use_env_allocators", "1")
+    # onnxruntime's idle threads spin by default, burning the cores PyTorch needs for
+    # the ops between sessions (fallback ops, the optimizer, the data loader).
+    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return so
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionSource:
+    """What a session was built from: enough for :func:`build_session` to build another like it.
+
+    Attributes:
+        model: the serialized model the session loaded (the bytes object the session
+            already holds, not a copy), or the path it was loaded from.
+        level: the optimization level it was built at.
+        providers: its execution providers, in order of precedence.
+        threads: its intra-op threads (``None``: onnxruntime's default).
+        log_severity: onnxruntime's log severity.
+    """
+
+    model: bytes | str = dataclasses.field(repr=False)
+    level: str
+    providers: tuple[str, ...]
+    threads: int | None
+    log_severity: int
+
+    def rebuild(self, *, profile_prefix: str | None = None) -> BuiltSession:
+        """Another session of the same model and settings (a profiling twin with ``profile_prefix``).
+
+        The new session does not write an optimized model (or a cache entry) again.
+        """
+        return _build(self, None, profile_prefix)
+
+
+@dataclasses.dataclass
+class BuiltSession:
+    """A session and the decisions behind it.
+
+    Attributes:
+        session: the ``InferenceSession``.
+        source: what it was built from (:meth:`SessionSource.rebuild`).
+        providers: the providers chosen, and why.
+        threads: the threads chosen, and why.
+        seconds: how long building it took.
+    """
+
+    session: ort.InferenceSession
+    source: SessionSource
+    providers: ProviderChoice
+    threads: ThreadChoice
+    seconds: float
+
+
+def build_session(
+    model: bytes | str,
     options: Options,
-    debug: DebugOptions,
-    providers: list[str],
-    optimized_path: str | None = None,
-    threads: int | None = None,
+    debug: DebugOptions | None = None,
+    *,
+    device_type: str = "cpu",
+    providers: Sequence[str] | None = None,
+    threads: ThreadChoice | None = None,
     level: str | None = None,
-) -> tuple[ort.InferenceSession, float]:
-    """Build the session a graph runs in; returns it with the seconds it took.
+    optimized_path: str | None = None,
+    profile_prefix: str | None = None,
+    quiet: bool = False,
+) -> BuiltSession:
+    """Build the session a model runs in: the one builder of ortlab.
+
+    Args:
+        model: serialized ONNX, or the path of an ``.onnx`` file.
+        options: the engine options (providers, optimization level, threads, profiling).
+        debug: the log level for onnxruntime (default: warnings).
+        device_type: where the graph's tensors live (``cpu``/``cuda``): picks the providers.
+        providers: pin these providers instead of choosing (probes and tools).
+        threads: the intra-op thread choice (default: from ``options`` only).
+        level: optimization level instead of ``options.graph_optimization_level``.
+        optimized_path: where onnxruntime writes the model it optimized.
+        profile_prefix: profile this session into a file with this prefix.
+        quiet: onnxruntime logs nothing (for sessions expected to fail, such as probes).
 
     Raises:
-        SessionError: with onnxruntime's message (see :func:`failing_node`).
+        SessionError: with onnxruntime's message.
+        DeviceError: when no provider serves ``device_type``.
+
+    Example:
+        >>> built = build_session(model_bytes, Options())      # doctest: +SKIP
+        >>> built.providers.providers, built.providers.reason  # doctest: +SKIP
+        (('CPUExecutionProvider',), "the graph's tensors are on the CPU")
     """
+    choice = (ProviderChoice(tuple(providers), "pinned by the caller") if providers is not None
+              else choose_providers(device_type, options))
+    threads = threads or choose_threads(options, SMALL_GRAPH_FLOPS)
+    if options.profile and profile_prefix is None:
+        profile_prefix = unique_profile_prefix()
+    severity = 4 if quiet else (debug or DebugOptions()).log_level.to_ort_severity()
+    source = SessionSource(model, level or options.graph_optimization_level, choice.providers, threads.threads,
+                           severity)
+    built = _build(source, optimized_path, profile_prefix)
+    return dataclasses.replace(built, providers=choice, threads=threads)
+
+
+def _build(source: SessionSource, optimized_path: str | None, profile_prefix: str | None) -> BuiltSession:
     start = time.perf_counter()
-    so = session_options(options, debug, optimized_path=optimized_path, threads=threads, level=level)
+    so = _session_options(source.level, source.log_severity, source.threads, optimized_path, profile_prefix)
     try:
-        session = ort.InferenceSession(model_bytes, sess_options=so, providers=providers)
+        session = ort.InferenceSession(source.model, sess_options=so, providers=list(source.providers))
     except Exception as e:  # onnxruntime raises its own pybind exception types
         raise SessionError(f"onnxruntime could not create a session: {e}") from e
-    return session, time.perf_counter() - start
+    return BuiltSession(session, source, ProviderChoice(source.providers, "as its source"),
+                        ThreadChoice(source.threads, "as its source"), time.perf_counter() - start)
 
 
-def save_optimized_models(model_bytes: bytes, options: Options, debug: DebugOptions, providers: list[str], stem: str) -> list[str]:
-    """Save the model as onnxruntime optimizes it at each level: ``{stem}`` with the level inserted."""
-    written = []
-    for level in ("basic", "extended", "all"):
-        path = stem.format(stage=f"ort_{level}")
-        so = session_options(options, debug, level=level, optimized_path=path)
-        try:
-            ort.InferenceSession(model_bytes, sess_options=so, providers=providers)
-            written.append(path)
-        except Exception as e:  # a level may fail where the chosen one works; say so, keep going
-            logger.warning("could not save the onnxruntime-optimized model at level %s: %s", level, e)
-    return [p for p in written if os.path.exists(p)]
+def optimized_model(model: bytes, options: Options, debug: DebugOptions | None, level: str,
+                    providers: Sequence[str]) -> tuple[bytes, float]:
+    """The model as onnxruntime optimizes it at ``level``, and the seconds the session took.
+
+    onnxruntime writes an optimized model only to a file; this one is read back and removed.
+
+    Raises:
+        SessionError: when onnxruntime cannot build a session at that level.
+    """
+    fd, path = tempfile.mkstemp(suffix=".onnx", prefix=f"ortlab_{level}_")
+    os.close(fd)
+    try:
+        built = build_session(model, options.replace(profile=False), debug, providers=providers, level=level,
+                              optimized_path=path)
+        with open(path, "rb") as f:
+            return f.read(), built.seconds
+    finally:
+        os.remove(path)
 
 
-_NODE_IN_ERROR = re.compile(r"node with name '([^']+)'|[Nn]ode \(([^)]+)\)")
+# Note [Unique profile prefixes]
+# onnxruntime names a profile ``{prefix}_{date}_{time}_{ms}.json`` when the session
+# starts profiling. Sessions (and profiling twins) are built less than a millisecond
+# apart: with one prefix, two of them wrote the same file (seen while building the
+# profile window). So every profiled session gets a prefix no other session of the
+# process uses: the process id, a counter and the graph's label
+# (``ortlab_profile_4242_7_g0.backward``).
+PROFILE_PREFIX = "ortlab_profile"
+_COUNTER = itertools.count()
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
-def failing_node(message: str) -> str | None:
-    """The ONNX node name an onnxruntime error message points at, if any."""
-    m = _NODE_IN_ERROR.search(message)
-    if not m:
-        return None
-    name = next((g for g in m.groups() if g), None)
-    # onnxruntime's optimizers rename fused nodes: "node_addmm/GemmTransposeFusion/".
-    return name.split("/")[0] if name else None
+def unique_profile_prefix(label: str = "", folder: str | None = None) -> str:
+    """A profile file prefix no other call in this process returns (see Note [Unique profile prefixes]).
+
+    Args:
+        label: the graph the session runs (``g0.forward``); other characters than
+            letters, digits, ``_``, ``.`` and ``-`` become ``_``.
+        folder: where the profile goes; the temp dir by default.
+
+    Example:
+        >>> os.path.basename(unique_profile_prefix("g0.forward")).startswith(f"ortlab_profile_{os.getpid()}_")
+        True
+    """
+    name = f"{PROFILE_PREFIX}_{os.getpid()}_{next(_COUNTER)}"
+    safe = _UNSAFE.sub("_", label).strip("_")
+    if safe:
+        name += f"_{safe}"
+    return os.path.join(folder or tempfile.gettempdir(), name)

@@ -13,14 +13,14 @@ tables show plain text.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
+from ortlab.inspect.lab_stage import ActivationRow, FallbackRow, Stage
 from ortlab.inspect.profile import NodeTime
-from ortlab.inspect.stages import ActivationRow, FallbackRow, Stage, onnx_node_index, parse_stage_file
+from ortlab.provenance import onnx_node_index
 from ortlab.ui._html import link, viewer_html
 
 __all__ = ["Linker"]
@@ -140,13 +140,11 @@ class Linker:
 
 
 def _stage_files(stage: Stage) -> Files:
-    """The exported graphs of a stage's lab, or the ``*_exported_*`` files next to a stage without one."""
+    """The exported graphs a stage's rows link into, by label: its lab's ``exported`` stage,
+    or the stage's own graphs for an ONNX stage saved and reopened alone."""
     lab = stage.lab
     if lab is not None and lab["exported"].status == "done":
         return [(label, os.path.join(lab.folder, rel)) for label, rel in lab["exported"].artifacts.items()]
-    found = []
-    for path in sorted(glob.glob(os.path.join(stage.root, "*_exported_*.onnx"))):
-        info = parse_stage_file(path)
-        if info is not None:
-            found.append((info["label"], path))
-    return found
+    if stage.kind == "onnx":
+        return [(label, os.path.join(stage.root, rel)) for label, rel in stage.artifacts.items()]
+    return []

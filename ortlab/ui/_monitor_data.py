@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ortlab.errors import ConfigError
 from ortlab.inspect.profile import NodeTime
 
 __all__ = ["FORMAT", "VERSION", "StepLog", "column", "samples_in", "scalar"]
@@ -28,7 +29,7 @@ def scalar(value: Any) -> Any:
     """A float now, or a detached CUDA tensor read at the next redraw (no sync per step)."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"monitor values must be scalars, got a tensor of shape {tuple(value.shape)}.")
+            raise ConfigError(f"monitor values must be scalars, got a tensor of shape {tuple(value.shape)}.")
         return value.detach() if value.is_cuda else value.item()
     return None if value is None else float(value)
 

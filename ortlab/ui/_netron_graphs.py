@@ -17,8 +17,9 @@ import os
 from typing import Any
 
 from ortlab.errors import ConfigError
+from ortlab.provenance import node_provenance, onnx_node_of, restore_provenance
 
-__all__ = ["load_model", "annotate", "annotate_from", "node_modules", "module_counts", "extract_module", "resolve_node"]
+__all__ = ["load_model", "annotate", "node_modules", "module_counts", "extract_module", "resolve_node"]
 
 
 def load_model(path: str) -> Any:
@@ -33,7 +34,6 @@ def _load_cached(path: str, mtime_ns: int) -> Any:
     return onnx.load(path, load_external_data=False)
 
 
-_PROVENANCE = ("ortlab.module", "ortlab.source", "ortlab.fx_node", "ortlab.op")
 
 
 def annotate(model: Any, reference: Any) -> Any | None:
@@ -47,35 +47,7 @@ def annotate(model: Any, reference: Any) -> Any | None:
         >>> optimized = onnx.load("net_forward_ort_all_train.onnx")          # doctest: +SKIP
         >>> annotate(optimized, onnx.load("net_forward_onnxscript_train.onnx"))  # doctest: +SKIP
     """
-    props = {n.name: [(p.key, p.value) for p in n.metadata_props if p.key in _PROVENANCE] for n in reference.graph.node}
-    return _with_props(model, props)
-
-
-def annotate_from(model: Any, provenance: dict[str, dict[str, str]]) -> Any | None:
-    """Like :func:`annotate`, from a ``node_provenance`` map (what the on-disk cache stores).
-
-    Example:
-        >>> annotate_from(onnx.load(entry.model_path), runner.provenance)   # doctest: +SKIP
-    """
-    props = {name: [(f"ortlab.{k}", v) for k, v in prov.items() if v] for name, prov in provenance.items()}
-    return _with_props(model, props)
-
-
-def _with_props(model: Any, props: dict[str, list[tuple[str, str]]]) -> Any | None:
-    import onnx
-
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
-    added = 0
-    for node in out.graph.node:
-        if any(p.key in _PROVENANCE for p in node.metadata_props):
-            continue
-        base = node.name[len("fused "):] if node.name.startswith("fused ") else node.name
-        for key, value in props.get(base.split("/")[0], []):
-            entry = node.metadata_props.add()
-            entry.key, entry.value = key, value
-            added += 1
-    return out if added else None
+    return restore_provenance(model, node_provenance(reference))
 
 
 def node_modules(model: Any, reference: Any = None) -> dict[str, str]:
@@ -94,8 +66,7 @@ def node_modules(model: Any, reference: Any = None) -> dict[str, str]:
     out = {}
     for node in model.graph.node:
         name = node.name
-        base = name[len("fused "):] if name.startswith("fused ") else name
-        out[name] = known.get(name, known.get(base.split("/")[0], "?"))
+        out[name] = known.get(name, known.get(onnx_node_of(name), "?"))
     return out
 
 
@@ -198,7 +169,7 @@ def resolve_node(model: Any, name: str, reference: Any = None) -> str | None:
         for candidate in reversed(found):
             if candidate in names:
                 return candidate
-            fused = next((n for n in names if n.split("/")[0] in (candidate, "fused " + candidate)), None)
+            fused = next((n for n in names if onnx_node_of(n) == candidate), None)
             if fused is not None:
                 return fused
         return found[-1]

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ortlab.inspect.profile import NodeTime, top_nodes
-from ortlab.inspect.stages import Lab
+from ortlab.inspect.lab import Lab
 from ortlab.ui._html import esc, table
 from ortlab.ui._links import Linker
 from ortlab.ui.netron_view import HEIGHT
@@ -80,7 +80,7 @@ def kernel_table(source: Any, graphs: Any = None, top: int = 15, height: int = H
             :class:`~ortlab.inspect.profile.NodeTime` records.
         graphs: where rows link to: the trained ``ORTModule`` (its own graphs, in a
             netron view under the table; default: the monitor's module), or a
-            :class:`~ortlab.inspect.stages.Lab` of the same model whose ``exported`` stage
+            :class:`~ortlab.inspect.lab.Lab` of the same model whose ``exported`` stage
             has run (links open in its view while one is open).
         top: rows.
         height: of the netron view under the table; 0: no view (links open a new tab).

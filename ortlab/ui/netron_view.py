@@ -27,10 +27,10 @@ import re
 from typing import Any
 
 from ortlab.errors import OrtlabError
+from ortlab.inspect.views import register_view
 from ortlab.ui._html import viewer_html
 from ortlab.ui._netron_graphs import (
     annotate,
-    annotate_from,
     extract_module,
     load_model,
     module_counts,
@@ -60,7 +60,6 @@ __all__ = [
     "proxy_prefix",
     "extract_module",
     "annotate",
-    "annotate_from",
     "module_counts",
     "node_modules",
     "resolve_node",
@@ -286,9 +285,18 @@ def view_stage(stage: Any, graph: str | None = None, node: str | None = None, mo
     path = stage.artifact(label)
     if stage.kind == "fx":
         return CodeView(path, node)
+    if stage.lab is not None:  # stop serving the lab's files when it closes
+        stage.lab.on_close(_forget_lab)
     kwargs.setdefault("frame", frame_name(stage.root))
     kwargs.setdefault("call", f"lab[{stage.name!r}].view")
     return view_file(path, node=node, module=module, **kwargs)
+
+
+def _forget_lab(lab: Any) -> None:
+    forget_folder(lab.folder)
+
+
+register_view("stage_view", view_stage)
 
 
 def _label_with(stage: Any, node: str) -> str | None:

@@ -1,7 +1,8 @@
 """The stepper in a notebook: each stage as HTML, and a widget to run and browse them.
 
 ``Stage._repr_html_`` and ``Lab._repr_html_`` render through :func:`stage_html` and
-:func:`lab_html` (plain HTML, no widget library needed); :class:`StepperWidget` adds
+:func:`lab_html` (plain HTML, no widget library needed), which this module registers
+(``ortlab.inspect.views``) when it is imported; :class:`StepperWidget` adds
 buttons (ipywidgets, imported when it is built). Rows of the tables (a saved
 activation, an op that falls back to PyTorch) link to that node in a netron view of
 the stage's ONNX graph when a graph view is open (the shared netron server is
@@ -15,7 +16,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ortlab.inspect.stages import Lab, Stage
+from ortlab.inspect.lab import Lab
+from ortlab.inspect.lab_stage import Stage
+from ortlab.inspect.views import register_view
 from ortlab.ui._html import badge, esc, fmt_bytes, fmt_seconds, table
 from ortlab.ui._links import Linker
 
@@ -266,3 +269,8 @@ def stepper(lab: Lab) -> Any:
         >>> stepper(ortlab.explore(model, x))        # doctest: +SKIP
     """
     return StepperWidget(lab).widget
+
+
+register_view("stage_html", stage_html)
+register_view("lab_html", lab_html)
+register_view("lab_widget", stepper)

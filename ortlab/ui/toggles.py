@@ -22,16 +22,20 @@ from typing import Any
 
 import torch
 
-from ortlab.capture.provenance import module_path, op_name
+from ortlab._compat.torch import OpOverload
+from ortlab.config import RECOMPUTE_PRESETS
+from ortlab.errors import CaptureError, ConfigError, UnsupportedInputError
+from ortlab.inspect.loss import default_loss
 from ortlab.ortmodule import ORTModule
 from ortlab.partition.recompute import RecomputePlan
+from ortlab.placement import selector_matches
+from ortlab.provenance import module_path, op_name
+from ortlab.stages import label
 from ortlab.ui._html import esc, fmt_bytes
 from ortlab.ui._links import Linker
 from ortlab.ui.netron_view import HEIGHT
 
 __all__ = ["RecomputeToggles", "FallbackToggles", "ApplyResult", "OpRow"]
-
-PRESETS = ("none", "auto", "layerwise")
 
 
 def _cells(values: list[str], widths: list[int]) -> str:
@@ -91,7 +95,9 @@ class _Measured:
 
     def __init__(self, om: ORTModule, inputs: tuple, kwargs: dict, loss_fn: Callable | None) -> None:
         if not isinstance(om, ORTModule):
-            raise TypeError(f"toggles work on an ortlab.ORTModule, got {type(om).__name__}")
+            raise UnsupportedInputError(
+                f"toggles work on an ortlab.ORTModule, got {type(om).__name__}: wrap it with ortlab.ORTModule(model)."
+            )
         self.om, self.inputs, self.kwargs, self.loss_fn = om, inputs, kwargs, loss_fn
 
     def step(self) -> float:
@@ -101,7 +107,9 @@ class _Measured:
         buffers = {k: b.clone() for k, b in self.om.named_buffers()}
         start = time.perf_counter()
         out = self.om(*self.inputs, **self.kwargs)
-        loss = self.loss_fn(out) if self.loss_fn is not None else _as_loss(out)
+        loss = (self.loss_fn or default_loss)(out)
+        if loss is None:
+            raise ConfigError("the model's output has no floating tensor that requires grad; pass loss_fn=...")
         loss.backward()
         seconds = time.perf_counter() - start
         with torch.no_grad():
@@ -119,13 +127,6 @@ class _Measured:
         """Median of five steps (after the engine has captured)."""
         self.ensure_captured()
         return sorted(self.step() for _ in range(5))[2]
-
-
-def _as_loss(out: object) -> torch.Tensor:
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not leaves:
-        raise ValueError("the model's output has no tensor that requires grad; pass loss_fn=...")
-    return sum(t.float().sum() for t in leaves)
 
 
 def _plan(om: ORTModule) -> RecomputePlan | None:
@@ -156,7 +157,10 @@ class RecomputeToggles:
     def plan(self) -> RecomputePlan:
         plan = _plan(self.run.om)
         if plan is None:
-            raise RuntimeError("no training graph was captured; the example inputs need a backward")
+            raise CaptureError(
+                "no training graph was captured, so there are no saved activations: the example inputs need "
+                "a backward (grad enabled and parameters that require grad)."
+            )
         return plan
 
     def recomputed(self) -> set[str]:
@@ -166,15 +170,15 @@ class RecomputeToggles:
         return {a.name for a in self.plan.recomputed} if self.pending == self.run.om.options.recompute else set()
 
     def preset(self, name: str) -> None:
-        if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; choose one of {PRESETS}")
+        if name not in RECOMPUTE_PRESETS:
+            raise ConfigError(f"unknown preset {name!r}; choose one of {tuple(RECOMPUTE_PRESETS)}.")
         self.pending = name
 
     def toggle(self, name: str, recompute: bool) -> None:
         """Recompute (or save) one activation; switches to an explicit selection."""
         known = {a.name for a in self.plan.activations}
         if name not in known:
-            raise KeyError(f"{name!r} is not a saved activation; known: {sorted(known)[:8]}...")
+            raise ConfigError(f"{name!r} is not a saved activation; known: {sorted(known)[:8]}...")
         chosen = self.recomputed()
         chosen = chosen | {name} if recompute else chosen - {name}
         self.pending = tuple(sorted(chosen)) or "none"
@@ -195,7 +199,7 @@ class RecomputeToggles:
         """Each saved activation's node in netron (the module's own graphs), by name; None where none."""
         linker = linker or _linker(self.run.om)
         index = next(c.index for c in self.run.om.report.captures if c.plan is self.plan)
-        return {a.name: linker.fx_node(f"g{index}.forward", a.name) or linker.fx_node(f"g{index}.backward", a.name)
+        return {a.name: linker.fx_node(label(index, "forward"), a.name) or linker.fx_node(label(index, "backward"), a.name)
                 for a in self.plan.activations}
 
     def widget(self) -> Any:
@@ -205,7 +209,8 @@ class RecomputeToggles:
 
         linker = _linker(self.run.om)
         widths = [130, 190, 90, 70, 80, 130]
-        presets = w.ToggleButtons(options=list(PRESETS), value=self.pending if isinstance(self.pending, str) else None)
+        presets = w.ToggleButtons(options=list(RECOMPUTE_PRESETS), tooltips=list(RECOMPUTE_PRESETS.values()),
+                                  value=self.pending if isinstance(self.pending, str) else None)
         boxes: dict[str, Any] = {}
         cells: dict[str, Any] = {}
 
@@ -293,17 +298,17 @@ class FallbackToggles:
         nodes: dict[tuple[str, str], list[tuple[str, str]]] = {}
         for capture in self.run.om.report.captures:
             for graph in capture.graphs:
-                label = f"g{capture.index}.{graph.name}"
+                where = graph.label
                 fell = {f.node: f.reason for f in graph.fallbacks if f.scope == "op"}
                 whole = next((f.reason for f in graph.fallbacks if f.scope == "graph"), None)
                 if graph.graph_module is None:
                     continue
                 for node in graph.graph_module.graph.nodes:
-                    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                    if node.op != "call_function" or not isinstance(node.target, OpOverload):
                         continue
                     key = (op_name(node), module_path(node))
                     counts[key] += 1
-                    nodes.setdefault(key, []).append((label, node.name))
+                    nodes.setdefault(key, []).append((where, node.name))
                     reason = whole or fell.get(node.name)
                     if reason:
                         torch_reason[key] = reason
@@ -316,7 +321,7 @@ class FallbackToggles:
     @staticmethod
     def url(row: OpRow, linker: Linker) -> str | None:
         """The row's first node in netron (for an op that runs in PyTorch: the partition reading its value)."""
-        return next((url for label, name in row.nodes if (url := linker.fx_node(label, name))), None)
+        return next((url for where, name in row.nodes if (url := linker.fx_node(where, name))), None)
 
     def send(self, op: str, module: str | None = None, to_pytorch: bool = True) -> None:
         """Mark ``op`` (within ``module`` if given) for PyTorch, or back to onnxruntime."""
@@ -346,7 +351,7 @@ class FallbackToggles:
         def render() -> None:
             items, urls = [], []
             for row in self.rows():
-                pending = f"{row.op}@{row.module}" in self.pending or row.op in self.pending
+                pending = any(selector_matches(row.op, row.module, s) for s in self.pending)
                 box = w.Checkbox(value=pending, indent=False, layout=w.Layout(width="28px"))
                 box.observe(lambda ch, r=row: self.send(r.op, r.module or None, ch["new"]), names="value")
                 urls.append(self.url(row, linker))

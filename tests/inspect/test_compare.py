@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ortlab
-import ortlab.runtime.graph
+import ortlab.pipeline.part
 from ortlab.inspect import CompareResult, bisect_fallbacks, compare
 from ortlab.inspect.bisect import graph_from_dict, graph_to_dict, minimize
 from ortlab.inspect.compare import compare_tensors
@@ -94,14 +94,14 @@ def planted(monkeypatch):
     """``planted(op, module, graph)`` makes that op compute in float16 in every session built afterwards."""
 
     def plant(op: str, module: str, graph: str = "forward", dtype: ir.DataType = ir.DataType.FLOAT16) -> None:
-        original = ortlab.runtime.graph.optimize_exported
+        original = ortlab.pipeline.part.optimize_exported
 
         def optimize(exported: object) -> float:
             seconds = original(exported)
             plant_low_precision(exported, op, module, graph, dtype)
             return seconds
 
-        monkeypatch.setattr(ortlab.runtime.graph, "optimize_exported", optimize)
+        monkeypatch.setattr(ortlab.pipeline.part, "optimize_exported", optimize)
 
     return plant
 

@@ -30,12 +30,11 @@ from ortlab.inspect.profile import (
     collect_profile,
     count_runs,
     merge,
-    node_provenance,
-    onnx_node_name,
     parse_profile,
     top_nodes,
 )
 from ortlab.models import TinyMLP, make_batch
+from ortlab.provenance import node_provenance, onnx_node_of
 
 
 def _train(om: torch.nn.Module, steps: int) -> None:
@@ -45,7 +44,7 @@ def _train(om: torch.nn.Module, steps: int) -> None:
 
 
 def _parts(om: ortlab.ORTModule) -> list:
-    return [(f"g{c.index}.{g.name}", r, e) for c in om.report.captures for g in c.graphs for r, e in g.parts]
+    return [(g.label, p.runner, p.exported) for c in om.report.captures for g in c.graphs for p in g.parts]
 
 
 @pytest.fixture
@@ -62,11 +61,11 @@ def profiled_tiny():
     return om, profiles
 
 
-def test_onnx_node_name_strips_onnxruntime_renames():
-    assert onnx_node_name("node_mm_kernel_time") == "node_mm"
-    assert onnx_node_name("node_addmm/GemmTransposeFusion/_kernel_time") == "node_addmm"
-    assert onnx_node_name("fused node_addmm/GemmTransposeFusion/_kernel_time") == "node_addmm"
-    assert onnx_node_name("node_t_1") == "node_t_1"
+def test_onnx_node_of_strips_onnxruntime_renames():
+    assert onnx_node_of("node_mm_kernel_time") == "node_mm"
+    assert onnx_node_of("node_addmm/GemmTransposeFusion/_kernel_time") == "node_addmm"
+    assert onnx_node_of("fused node_addmm/GemmTransposeFusion/_kernel_time") == "node_addmm"
+    assert onnx_node_of("node_t_1") == "node_t_1"
 
 
 def test_parse_real_profile_maps_every_kernel_to_the_model(profiled_tiny):

@@ -12,14 +12,14 @@ import torch
 from torch import nn
 
 import ortlab
-from ortlab.artifacts import StageWriter
 from ortlab.errors import SessionError
 from ortlab.inspect.profile import ProfileWindow
 from ortlab.models import TinyMLP, make_batch
-from ortlab.runtime.graph import GraphContext, compile_graph
+from ortlab.pipeline import GraphContext, compile_graph
 from ortlab.runtime.observe import GraphObserver
-from ortlab.runtime.profiling import profile_prefix, profiling_twin
-from ortlab.runtime.runner import OrtRunner, SessionSource
+from ortlab.runtime.profiling import profiling_twin
+from ortlab.runtime.runner import OrtRunner
+from ortlab.runtime.session import SessionSource, unique_profile_prefix
 
 
 class Log(GraphObserver):
@@ -101,7 +101,7 @@ def test_only_an_observed_graph_is_wrapped():
     om = ortlab.ORTModule(TinyMLP())
     _train(om)
     forward = om.report.captures[0].graphs[0]
-    ctx = GraphContext(om.options, om.debug_options, torch.device("cpu"), StageWriter(om.debug_options, 0), "g0")
+    ctx = GraphContext(om.options, om.debug_options, torch.device("cpu"), 0)
     plain, _ = compile_graph(forward.graph_module, "forward", "train", ctx)
     assert plain.__qualname__.startswith("_boxed_runner")
     ctx.observer = Log()
@@ -125,8 +125,8 @@ def test_runners_keep_what_their_session_was_built_from():
     for runner in _runners(om):
         source = runner.session_source
         assert isinstance(source, SessionSource) and isinstance(source.model, bytes)
-        assert source.providers == ["CPUExecutionProvider"] and len(source.provider_options) == 1
-        assert source.sess_options.intra_op_num_threads == 1  # a tiny graph runs on one thread
+        assert source.providers == ("CPUExecutionProvider",) and source.level == "all"
+        assert source.threads == 1  # a tiny graph runs on one thread
 
 
 def test_swap_session_runs_the_new_session_and_swaps_back_exactly():
@@ -165,20 +165,22 @@ def test_swap_session_rejects_a_session_of_another_graph():
 
 # ---------------------------------------------------------------------------- profiling twins
 def test_profile_prefixes_are_unique_and_name_the_graph(tmp_path):
-    prefixes = {profile_prefix("g0.forward", str(tmp_path)) for _ in range(100)}
+    prefixes = {unique_profile_prefix("g0.forward", str(tmp_path)) for _ in range(100)}
     assert len(prefixes) == 100
-    name = os.path.basename(profile_prefix("g1.backward/fused 0"))
+    name = os.path.basename(unique_profile_prefix("g1.backward/fused 0"))
     assert name.startswith(f"ortlab_profile_{os.getpid()}_") and name.endswith("_g1.backward_fused_0")
 
 
-def test_a_twin_profiles_into_its_own_file_and_leaves_the_options_as_they_were(tmp_path):
+def test_a_twin_profiles_into_its_own_file_and_leaves_the_original_as_it_was(tmp_path):
     om = ortlab.ORTModule(TinyMLP())
     _train(om)
     runner = _runners(om)[0]
-    so = runner.session_source.sess_options
+    so = runner.session.get_session_options()
     before = (so.enable_profiling, so.profile_file_prefix, so.optimized_model_filepath)
     twins = [profiling_twin(runner, "g0.forward", str(tmp_path)) for _ in range(3)]
+    so = runner.session.get_session_options()
     assert (so.enable_profiling, so.profile_file_prefix, so.optimized_model_filepath) == before
+    assert all(t.get_session_options().intra_op_num_threads == so.intra_op_num_threads for t in twins)
     for twin in twins:
         runner.swap_session(twin)
         _train(om)
@@ -205,7 +207,7 @@ def test_profile_window_on_sessions_loaded_from_the_cache(tmp_path):
     om = ortlab.ORTModule(model, cache_dir=str(tmp_path))
     _train(om)
     assert sum(g.cached for c in om.report.captures for g in c.graphs) == 2
-    assert all(e is None for c in om.report.captures for g in c.graphs for _, e in g.parts)
+    assert all(p.exported is None for c in om.report.captures for g in c.graphs for p in g.parts)
     window = ProfileWindow(om, folder=str(tmp_path))
     assert window.start() == 2
     _train(om, 3)

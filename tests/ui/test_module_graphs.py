@@ -22,7 +22,7 @@ def test_graph_files_follow_recaptures():
     files = graph_files(model)
     assert [label for label, _ in files] == ["g0.forward", "g0.backward"]
     forward = dict(files)["g0.forward"]
-    assert os.path.basename(forward) == "tinymlp_g0_forward_exported_train.onnx"
+    assert os.path.basename(forward) == "tinymlp_forward_onnxscript_train.onnx"  # the model its session was given
     assert _provenance(forward)["node_addmm"]["ortlab.module"] == "net.0"
     model.reconfigure(recompute="auto")  # re-captures on the next call: a new generation of files
     model(*make_batch("tiny", 4)).sum().backward()
@@ -36,6 +36,6 @@ def test_parts_from_the_cache_get_their_source_back(tmp_path):
     cached = ortlab.ORTModule(TinyMLP(), cache_dir=str(tmp_path))
     cached(*batch).sum().backward()
     graph = cached.report.captures[0].graphs[0]
-    assert graph.cached and graph.parts[0][1] is None  # no ExportedGraph: the session's model is written
+    assert graph.cached and graph.parts[0].exported is None  # no ExportedGraph: the session's model is written
     prov = _provenance(dict(graph_files(cached))["g0.forward"])
     assert any(p.get("ortlab.module") == "net.0" and p.get("ortlab.source") for p in prov.values()), prov

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ortlab.inspect.explore import explore
-from ortlab.inspect.stages import ActivationRow, FallbackRow, GraphBreak, OpDiff, Stage
+from ortlab.inspect.lab_stage import ActivationRow, FallbackRow, GraphBreak, OpDiff, Stage
 from ortlab.ui import netron_view
 from ortlab.ui.stepper import StepperWidget, lab_html, stage_html
 from models import TanhNet  # tests/models.py (conftest puts tests/ on sys.path)
@@ -36,7 +36,7 @@ def test_stage_html_shows_counts_changes_and_tables(no_server):
         seconds=0.0123, timings={"g0.forward (from file times)": 0.01},
         graph_breaks=[GraphBreak("Call to <graph_break>", 2, "m.py:3 in forward", "long\ntext")],
         activations=[ActivationRow("tanh", "aten.tanh", [4, 8], "float32", 128, "fc1", "m.py:4 in forward", False, graph="g0")],
-        fallbacks=[FallbackRow("op", "g0.forward", "random op", "drop", "aten.native_dropout", "drop", "m.py:5", ["drop"])],
+        fallbacks=[FallbackRow("op", "g0.forward", "random op", "drop", "aten.native_dropout", "drop", "m.py:5", values=["drop"])],
         summary={"saved": 1, "recomputed": 0, "saved_bytes": 128, "baseline_bytes": 128, "loss": 0.5},
         notes=["g0: recompute='none'"],
     )

@@ -55,9 +55,9 @@ def test_recompute_presets_and_rows(gpt_and_batch):
     assert toggles.pending == (name,)
     toggles.apply()
     assert [a.name for a in toggles.plan.recomputed] == [name]
-    with pytest.raises(KeyError, match="not a saved activation"):
+    with pytest.raises(ortlab.ConfigError, match="not a saved activation"):
         toggles.toggle("nope", True)
-    with pytest.raises(ValueError, match="choose one of"):
+    with pytest.raises(ortlab.ConfigError, match="choose one of"):
         toggles.preset("everything")
 
 

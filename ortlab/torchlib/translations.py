@@ -6,7 +6,7 @@ and loses updates when indices repeat (gradients off by 10-30 on repeated tokens
 different on every run). ``ScatterElements(reduction="add")`` over the flattened
 indices gives the exact sums, deterministically (checked against ``np.add.at``).
 Only the embedding form (one index tensor on dim 0) is translated; other forms stay
-in PyTorch with that reason (see ``export.KNOWN_WRONG``).
+in PyTorch with that reason (see ``ortlab.placement.KNOWN_WRONG``).
 """
 
 from __future__ import annotations

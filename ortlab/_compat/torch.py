@@ -1,0 +1,194 @@
+"""The private torch APIs ortlab uses, each with why and since when (checked on torch 2.6-2.13).
+
+Everything else in ortlab uses torch's public API only. Grouped by what they serve:
+
+* Dynamo: its config, counters and exception types (the backend contract is public,
+  its control flow is not).
+* AOTAutograd and functorch's partitioners: the joint graph and its split.
+* torch.onnx's exporter internals: the FX-to-ONNX translator and the torchlib registry.
+* Fake tensors, pytree, op types, DLPack: small helpers with no public spelling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch._dynamo.config
+import torch._functorch.config
+import torch.utils._pytree as pytree  # noqa: F401  (re-exported)
+from torch._decomp import decomposition_table as aten_decompositions  # noqa: F401  (re-exported)
+from torch._dynamo import exc as _dynamo_exc
+from torch._dynamo.utils import counters as dynamo_counters  # noqa: F401  (re-exported)
+from torch._functorch import partitioners as _partitioners
+from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401  (re-exported)
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily  # noqa: F401  (re-exported)
+from torch.onnx._internal.exporter import _constants, _core, _decomp, _fx_passes, _ir_passes, _registration
+
+__all__ = [
+    "OpOverload",
+    "HigherOrderOperator",
+    "pytree",
+    "aten_decompositions",
+    "dynamo_counters",
+    "DYNAMO_CONTROL_FLOW",
+    "BackendCompilerFailed",
+    "TorchDynamoException",
+    "set_dynamo_config",
+    "disable_donated_buffers",
+    "eager_backward_lowering",
+    "aot_module_simplified",
+    "default_partition",
+    "min_cut_rematerialization_partition",
+    "forward_region",
+    "FakeTensorMode",
+    "unset_fake_temporarily",
+    "SDPA_TARGETS",
+    "from_dlpack_capsule",
+    "ONNX_IR_VERSION",
+    "ONNXRegistry",
+    "torchlib_registry",
+    "onnx_friendly_decompositions",
+    "translate_fx_graph",
+    "insert_type_promotion_nodes",
+    "add_opset_imports",
+    "set_value_type",
+    "EXPORTER_LOGGERS",
+]
+
+# ----------------------------------------------------------------------------------- op types
+# Note [Op types]: ``torch._ops.OpOverload`` is the type of ``torch.ops.aten.mm.default``;
+# torch has no public alias (2.0+). FX node targets are checked against it everywhere.
+OpOverload = torch._ops.OpOverload
+HigherOrderOperator = torch._ops.HigherOrderOperator
+
+# -------------------------------------------------------------------------------------- Dynamo
+# Note [Dynamo's control flow]: a backend may raise these to make Dynamo re-trace (2.1+);
+# ortlab lets them through untouched. BackendCompilerFailed wraps an error raised by a
+# backend; TorchDynamoException is the root of Dynamo's own failures (1.13+). torch has
+# no public module for them.
+DYNAMO_CONTROL_FLOW: tuple[type[BaseException], ...] = tuple(
+    cls for cls in (getattr(_dynamo_exc, "RestartAnalysis", None), getattr(_dynamo_exc, "TensorifyScalarRestartAnalysis", None))
+    if cls is not None
+)
+BackendCompilerFailed = _dynamo_exc.BackendCompilerFailed
+TorchDynamoException = _dynamo_exc.TorchDynamoException
+
+
+def set_dynamo_config(settings: dict[str, Any]) -> None:
+    """Set ``torch._dynamo.config`` values that differ (see Note [Process-wide torch settings]).
+
+    Dynamo's knobs (recompile limits, hook guards, float specialization) exist only in
+    ``torch._dynamo.config`` (2.0+; ``recompile_limit`` since 2.6).
+    """
+    for key, value in settings.items():
+        if getattr(torch._dynamo.config, key) != value:
+            setattr(torch._dynamo.config, key, value)
+
+
+def disable_donated_buffers() -> bool:
+    """Turn off AOTAutograd's donated buffers, process-wide; True if it was on.
+
+    ``torch._functorch.config.donated_buffer`` (2.5+) is read when the backward *runs*,
+    so no scoped patch reaches it (see Note [Process-wide torch settings]).
+    """
+    if getattr(torch._functorch.config, "donated_buffer", False):
+        torch._functorch.config.donated_buffer = False
+        return True
+    return False
+
+
+def eager_backward_lowering() -> Any:
+    """A context in which AOTAutograd compiles the backward graph at once, not at the first backward.
+
+    ``force_non_lazy_backward_lowering`` (2.8+) is the only way to get it; on older
+    torch this is a no-op context (the backward then compiles when it first runs).
+    """
+    if hasattr(torch._functorch.config, "force_non_lazy_backward_lowering"):
+        return torch._functorch.config.patch(force_non_lazy_backward_lowering=True)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------------------ partitioners
+# Note [functorch's partitioners]: ``default_partition`` and
+# ``min_cut_rematerialization_partition`` are what torch.compile itself passes as
+# ``partition_fn`` (1.13+); torch exports no public name for them. ortlab stays inside
+# their contract ``(joint, inputs, *, num_fwd_outputs) -> (fw, bw)`` and their recompute
+# protocol (``node.meta["recompute"]``).
+default_partition = _partitioners.default_partition
+min_cut_rematerialization_partition = _partitioners.min_cut_rematerialization_partition
+
+
+def forward_region(joint: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes ``default_partition`` places in the forward, by its own region rules.
+
+    Every non-tangent node up to the last one tagged forward (or a primal, or a seed
+    offset): functorch's private helpers ``_has_tag_is_forward``, ``_is_primal``,
+    ``_is_fwd_seed_offset`` and ``_is_tangent`` (2.1+) decide it; copying them would
+    drift from torch.
+    """
+    nodes = list(joint.graph.nodes)
+    last = max(
+        (i for i, n in enumerate(nodes)
+         if _partitioners._has_tag_is_forward(n) or _partitioners._is_primal(n) or _partitioners._is_fwd_seed_offset(n)),
+        default=-1,
+    )
+    return {n for n in nodes[: last + 1] if not _partitioners._is_tangent(n) and n.op != "output"}
+
+
+# ------------------------------------------------------------------------------- attention
+# Note [Fused attention targets]: Dynamo records ``F.scaled_dot_product_attention`` as
+# either the public function or its C binding ``torch._C._nn.scaled_dot_product_attention``.
+SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention})
+
+# ----------------------------------------------------------------------------------- DLPack
+# Note [DLPack capsules]: onnxruntime's ``OrtValueVector.to_dlpacks(fn)`` calls ``fn`` on
+# each output's capsule; ``torch._C._from_dlpack`` takes a capsule with no Python-level
+# checks (``torch.utils.dlpack.from_dlpack`` costs ~1 us more per tensor, on every step).
+from_dlpack_capsule: Callable[[Any], torch.Tensor] = torch._C._from_dlpack
+
+# ----------------------------------------------------------------------- torch.onnx internals
+# Note [torch.onnx's translator]: ortlab translates AOTAutograd's FX graphs with the same
+# functions ``torch.onnx.export(dynamo=True)`` uses (2.5+), without ``torch.export``:
+# the graph is already functional aten, and re-tracing it would cost seconds and lose
+# the SymInt inputs that keep sizes dynamic. torch exposes only the whole-model export
+# publicly, so the translator, its FX passes and the torchlib registry are reached here.
+ONNX_IR_VERSION: int = _constants.ONNX_IR_VERSION
+ONNXRegistry = _registration.ONNXRegistry
+EXPORTER_LOGGERS = (_core.__name__, _registration.__name__)
+
+
+def torchlib_registry() -> Any:
+    """A fresh registry of torchlib's translations (``ONNXRegistry.from_torchlib``)."""
+    return _registration.ONNXRegistry.from_torchlib()
+
+
+def onnx_friendly_decompositions(onnx_ops: set[Any]) -> dict[Any, Callable]:
+    """torch's decompositions minus the ops torchlib translates (``_decomp``, 2.5+)."""
+    return dict(_decomp.create_onnx_friendly_decomposition_table(onnx_ops))
+
+
+def translate_fx_graph(graph: torch.fx.Graph, model: Any, registry: Any) -> dict[str, Any]:
+    """Translate an FX graph into ``model``'s graph; returns FX node name -> ONNX value(s)."""
+    return _core._translate_fx_graph(
+        graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion", registry=registry
+    )
+
+
+def insert_type_promotion_nodes(gm: torch.fx.GraphModule) -> None:
+    """torch.onnx's type promotion pass (explicit casts where aten promotes implicitly)."""
+    _fx_passes.insert_type_promotion_nodes(gm)
+
+
+def add_opset_imports(model: Any) -> None:
+    """Add the opset imports the translated nodes use."""
+    _ir_passes.add_opset_imports(model)
+
+
+def set_value_type(value: Any, meta_val: Any) -> None:
+    """Type and shape an ONNX value from an FX ``meta["val"]`` (complex as float pairs)."""
+    _core._set_shape_type(value, meta_val, complex_to_float=True)

@@ -1,0 +1,80 @@
+"""Prepare Dynamo's graph and trace it with AOTAutograd into the joint, forward and backward graphs.
+
+Dynamo gives us, for free and correct: guards (a new input structure, a changed
+Python scalar, a changed module attribute, train/eval or grad-mode switches all
+re-capture instead of returning a stale result), graph breaks (the code between
+captured graphs runs in PyTorch), and symbolic sizes. AOTAutograd gives the joint
+forward+backward graph and, at run time, stitches the compiled forward and backward
+into PyTorch autograd (``loss.backward()`` fills ``.grad`` of the real parameters;
+buffer mutations such as BatchNorm running stats are written back every step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx
+
+from ortlab._compat.torch import SDPA_TARGETS, aot_module_simplified
+from ortlab.capture.decompositions import decomposition_table, sdpa_math
+from ortlab.errors import DeviceError
+
+__all__ = ["rewrite_sdpa", "graph_device", "trace"]
+
+Compiler = Callable[[torch.fx.GraphModule, Sequence[object]], Callable]
+
+
+def rewrite_sdpa(gm: torch.fx.GraphModule) -> int:
+    """Replace fused SDPA calls by their math form (see ``decompositions``); returns how many."""
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in SDPA_TARGETS:
+            node.target = sdpa_math
+            count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def graph_device(example_inputs: Sequence[object]) -> torch.device:
+    """The one device a captured graph's tensors live on (CPU for a graph without tensors).
+
+    Raises:
+        DeviceError: when the graph mixes devices.
+    """
+    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
+    devices.discard(torch.device("meta"))
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise DeviceError(
+            f"the captured graph mixes tensors on {names}; ortlab runs one graph on one device. "
+            "Move the module and all inputs to the same device (module.to(device), x.to(device))."
+        )
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def trace(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[object],
+    *,
+    forward: Compiler,
+    backward: Compiler,
+    inference: Compiler,
+    partition: Callable[..., tuple[torch.fx.GraphModule, torch.fx.GraphModule]],
+    cache_dir: str | None = None,
+) -> Callable:
+    """AOTAutograd on ``gm`` with ortlab's decompositions: returns the callable Dynamo runs.
+
+    ``partition`` is a functorch partitioner (``(joint, inputs, *, num_fwd_outputs) ->
+    (fw, bw)``); the compilers get the forward, backward and no-grad graphs.
+    """
+    return aot_module_simplified(
+        gm,
+        example_inputs,
+        fw_compiler=forward,
+        bw_compiler=backward,
+        inference_compiler=inference,
+        decompositions=decomposition_table(cache_dir),
+        partition_fn=partition,
+    )

@@ -1,0 +1,113 @@
+"""The torch.compile backend: Dynamo's graph -> capture -> partition -> each graph compiled.
+
+The orchestrator of the engine. For each graph Dynamo hands it, it traces the joint
+graph (``ortlab.capture``), splits it under the recompute policy
+(``ortlab.partition``), and compiles the forward, backward and no-grad graphs
+(``ortlab.pipeline.graph``), handing every stage to the capture's sinks
+(``ortlab.stages``) and recording every decision in the module's ``Report``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx
+
+from ortlab._compat.torch import DYNAMO_CONTROL_FLOW
+from ortlab.artifacts import FolderSink
+from ortlab.capture.aot import graph_device, rewrite_sdpa, trace
+from ortlab.config import DebugOptions, Options
+from ortlab.errors import CaptureError, DeviceError, FallbackError, first_line
+from ortlab.partition.recompute import partition_joint
+from ortlab.pipeline.graph import compile_graph
+from ortlab.pipeline.part import GraphContext
+from ortlab.report import CaptureRecord, Fallback, Report, warn_fallback
+from ortlab.runtime.observe import GraphObserver
+from ortlab.stages import StageArtifact, StageSink, Stages, count_ops, label
+
+__all__ = ["OrtlabBackend"]
+
+logger = logging.getLogger(__name__)
+
+
+class OrtlabBackend:
+    """A torch.compile backend that runs captured graphs in onnxruntime.
+
+    One instance per ORTModule; it appends a ``CaptureRecord`` to ``report`` for
+    every graph Dynamo hands it. Graphs captured while ``observer`` is set report
+    their calls to it (see Note [Observing compiled graphs]). Every stage goes to
+    ``sinks`` and, with ``debug.save_onnx``, to a folder.
+    """
+
+    def __init__(self, options: Options, debug: DebugOptions, report: Report, observer: GraphObserver | None = None,
+                 sinks: Sequence[StageSink] = ()) -> None:
+        self.options = options
+        self.debug = debug
+        self.report = report
+        self.observer = observer
+        self.sinks = list(sinks)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable:
+        start = time.perf_counter()
+        index = len(self.report.captures)
+        needs_grad = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
+        )
+        mode = "train" if needs_grad else "eval"
+        capture = CaptureRecord(index=index, mode=mode, fx_ops=count_ops(gm))
+        folder = FolderSink.from_debug(self.debug)
+        if folder is not None:
+            capture.files = folder.written
+        stages = Stages([folder, *self.sinks])
+        rewrite_sdpa(gm)
+        if stages.wants("captured"):
+            stages.emit(StageArtifact("captured", index, mode, content=gm))
+        ctx = GraphContext(self.options, self.debug, graph_device(example_inputs), index, stages, self.observer)
+        split_s: list[float] = []
+
+        def compiler(name: str, graph_mode: str) -> Callable:
+            def compile_(fx: torch.fx.GraphModule, _inputs: Sequence[object]) -> Callable:
+                seconds = split_s.pop() if name == "forward" and split_s else 0.0
+                fn, record = compile_graph(fx, name, graph_mode, ctx, split_s=seconds)
+                capture.graphs.append(record)
+                return fn
+
+            return compile_
+
+        def partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[object], **kwargs: object):
+            if stages.wants("joint"):
+                stages.emit(StageArtifact("joint", index, "train", content=joint, seconds=time.perf_counter() - start))
+            split_start = time.perf_counter()
+            num_fwd_outputs = kwargs.pop("num_fwd_outputs")
+            fw, bw, plan = partition_joint(joint, joint_inputs, num_fwd_outputs, self.options.recompute, **kwargs)
+            capture.plan = plan
+            split_s.append(time.perf_counter() - split_start)
+            return fw, bw
+
+        try:
+            compiled = trace(
+                gm,
+                example_inputs,
+                forward=compiler("forward", "train"),
+                backward=compiler("backward", "train"),
+                inference=compiler("inference", "eval"),
+                partition=partition,
+                cache_dir=self.options.cache_dir,
+            )
+        except (FallbackError, DeviceError, *DYNAMO_CONTROL_FLOW):
+            raise  # ours to report, or Dynamo's own control flow (it re-traces)
+        except Exception as e:  # AOTAutograd/functionalization can fail on exotic code
+            reason = f"AOTAutograd could not capture graph {label(index)}: {first_line(e)}"
+            if self.options.fallback == "raise":
+                raise CaptureError(reason + "\nUse fallback='warn' to run this graph in PyTorch.") from e
+            fb = Fallback(scope="graph", where=label(index), reason=reason)
+            capture.fallbacks.append(fb)
+            warn_fallback(fb)
+            logger.debug("capture of %s failed", label(index), exc_info=e)
+            compiled = gm.forward
+        capture.capture_s = time.perf_counter() - start - sum(g.export_s + g.session_s for g in capture.graphs)
+        self.report.captures.append(capture)
+        return compiled

@@ -1,0 +1,220 @@
+"""One onnxruntime part of a graph: on-disk cache, export, onnxscript, session, runner.
+
+A part is a whole graph, or one partition of it (``fused_0``) when some ops run in
+PyTorch. Each stage it makes goes to the capture's sinks (``ortlab.stages.Stages``) with
+the seconds it took; the session comes from the one session builder
+(``ortlab.runtime.session``), and its decisions (providers, threads) are recorded on
+the graph's record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+
+import onnx
+import torch
+import torch.fx
+
+from ortlab.config import DebugOptions, Options
+from ortlab.errors import ExportError, SessionError, first_line
+from ortlab.onnx.export import ExportedGraph, export_graph
+from ortlab.onnx.optimize import optimize_exported
+from ortlab.placement import Placement, culprits
+from ortlab.provenance import node_provenance
+from ortlab.report import GraphRecord, PartRecord
+from ortlab.runtime.cache import CacheEntry, cache_key, load_entry, store_meta
+from ortlab.runtime.kernels import missing_kernels
+from ortlab.runtime.observe import GraphObserver, observed_part
+from ortlab.runtime.runner import OrtRunner
+from ortlab.runtime.session import BuiltSession, build_session, choose_providers, choose_threads, optimized_model
+from ortlab.sizes import matmul_flops
+from ortlab.stages import ORT_LEVEL_STAGES, StageArtifact, Stages, count_ops, label
+
+__all__ = ["GraphContext", "PlacementRetry", "PartBuilder"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class GraphContext:
+    """What compiling the graphs of one captured graph needs from its ORTModule.
+
+    Attributes:
+        options, debug: the module's options.
+        device: where the graph's tensors live.
+        capture: the captured graph's index (``0`` for ``g0``).
+        stages: the sinks each stage goes to.
+        observer: a tool watching every call (see Note [Observing compiled graphs]), or None.
+    """
+
+    options: Options
+    debug: DebugOptions
+    device: torch.device
+    capture: int
+    stages: Stages = dataclasses.field(default_factory=Stages)
+    observer: GraphObserver | None = None
+
+
+class PlacementRetry(Exception):
+    """A part failed on ops that can run in PyTorch instead: retry the graph with them placed there."""
+
+    def __init__(self, placements: dict[str, Placement], error: Exception) -> None:
+        super().__init__(str(error))
+        self.placements, self.error = placements, error
+
+
+class PartBuilder:
+    """Builds the onnxruntime parts of one graph (``record``), recording what it did."""
+
+    def __init__(self, ctx: GraphContext, record: GraphRecord, nodes: dict[str, torch.fx.Node]) -> None:
+        self.ctx, self.record, self.nodes = ctx, record, nodes
+        self.providers = choose_providers(ctx.device.type, ctx.options)
+        record.providers = f"{', '.join(self.providers.providers)} ({self.providers.reason})"
+
+    def reset(self) -> None:
+        """Forget the parts of a failed attempt (the graph is being split again)."""
+        record = self.record
+        record.onnx_ops, record.ort_partitions, record.parts = {}, 0, []
+
+    def __call__(self, gm: torch.fx.GraphModule, part: str) -> Callable[..., list]:
+        """The callable of one part: its runner, or with an observer, the runner telling it of each call.
+
+        Raises:
+            PlacementRetry: the part failed on nodes that can run in PyTorch.
+            ExportError, SessionError: it failed, and no node can be blamed.
+        """
+        runner = self.runner(gm, part)
+        observer = self.ctx.observer
+        return runner if observer is None else observed_part(runner, self.record, observer)
+
+    # ------------------------------------------------------------------------------ stages
+    def _artifact(self, stage: str, part: str, content: object, seconds: float = 0.0) -> StageArtifact:
+        return StageArtifact(stage, self.ctx.capture, self.record.mode, self.record.name, part, content, seconds)
+
+    def runner(self, gm: torch.fx.GraphModule, part: str) -> OrtRunner:
+        ctx, record = self.ctx, self.record
+        threads = choose_threads(ctx.options, matmul_flops(gm))
+        record.threads = threads.reason
+        entry = None
+        if ctx.options.cache_dir:
+            settings = {
+                "level": ctx.options.graph_optimization_level,
+                "providers": list(self.providers.providers),
+                "threads": threads.threads,
+                "device": str(ctx.device),
+            }
+            entry = CacheEntry(ctx.options.cache_dir, cache_key(gm, {}, settings))
+            hit = self._from_cache(entry, part, threads)
+            if hit is not None:
+                return hit
+        onnx_name = record.name if not part else f"{record.name}_{part}"
+        try:
+            exported = export_graph(gm, onnx_name)
+        except ExportError as e:
+            raise self._retry(e, None) from e
+        record.export_s += exported.seconds
+        if ctx.stages.wants("exported"):
+            ctx.stages.emit(self._artifact("exported", part, exported.model, exported.seconds))
+        if ctx.options.graph_optimization_level != "disable":
+            optimized = optimize_exported(exported)
+            record.export_s += optimized.seconds
+            if optimized.skipped:
+                record.notes.append(f"{onnx_name} runs as exported: {optimized.skipped}")
+            if ctx.stages.wants("onnxscript"):
+                ctx.stages.emit(self._artifact("onnxscript", part, exported.model, optimized.seconds))
+        data = exported.to_bytes()
+        built = self._session(data, part, threads, entry, exported)
+        if entry is not None:
+            store_meta(entry, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
+                       exported.output_sources, node_provenance(exported.model))
+        self._emit_levels(data, part)
+        self._count(exported.op_counts())
+        runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
+                           exported.output_sources, ctx.device, built.source)
+        given = "onnxscript" if ctx.options.graph_optimization_level != "disable" else "exported"
+        record.parts.append(PartRecord(part, self._label(part), runner, exported, given))
+        return runner
+
+    def _label(self, part: str) -> str:
+        return label(self.ctx.capture, self.record.name, part)
+
+    def _session(self, data: bytes, part: str, threads, entry: CacheEntry | None,  # noqa: ANN001
+                 exported: ExportedGraph) -> BuiltSession:
+        """The session of ``data``, writing the optimized model to the cache and the ``execution`` stage."""
+        ctx = self.ctx
+        wants = ctx.stages.wants("execution")
+        target = entry.model_path if entry is not None else None
+        temp = None
+        if wants and target is None:
+            fd, temp = tempfile.mkstemp(suffix=".onnx", prefix="ortlab_execution_")
+            os.close(fd)
+            target = temp
+        try:
+            try:
+                built = build_session(data, ctx.options, ctx.debug, device_type=ctx.device.type,
+                                      providers=self.providers.providers, threads=threads, optimized_path=target)
+            except SessionError as e:
+                raise self._retry(e, exported) from e
+            self.record.session_s += built.seconds
+            if wants and target is not None and os.path.exists(target):
+                with open(target, "rb") as f:
+                    ctx.stages.emit(self._artifact("execution", part, f.read(), built.seconds))
+        finally:
+            if temp is not None and os.path.exists(temp):
+                os.remove(temp)
+        return built
+
+    def _emit_levels(self, data: bytes, part: str) -> None:
+        """The model at each onnxruntime level, for sinks that want them (one session each)."""
+        ctx = self.ctx
+        for stage, level in ORT_LEVEL_STAGES.items():
+            if not ctx.stages.wants(stage):
+                continue
+            try:
+                model, seconds = optimized_model(data, ctx.options, ctx.debug, level, self.providers.providers)
+            except SessionError as e:  # a level may fail where the chosen one works; say so, keep going
+                logger.warning("ortlab: could not optimize %s at level %s: %s", self._label(part), level,
+                               first_line(e))
+                continue
+            ctx.stages.emit(self._artifact(stage, part, model, seconds))
+
+    def _retry(self, error: Exception, exported: ExportedGraph | None) -> Exception:
+        """``PlacementRetry`` naming the nodes ``error`` blames, or ``error`` when it blames none."""
+        probe = functools.partial(missing_kernels, providers=list(self.providers.providers))
+        found = culprits(error, self.nodes, exported.model if exported is not None else None, probe)
+        return PlacementRetry(found, error) if found else error
+
+    def _count(self, op_counts: dict[str, int]) -> None:
+        for op, count in op_counts.items():
+            self.record.onnx_ops[op] = self.record.onnx_ops.get(op, 0) + count
+        self.record.ort_partitions += 1
+
+    def _from_cache(self, entry: CacheEntry, part: str, threads) -> OrtRunner | None:  # noqa: ANN001
+        if not entry.exists() or (meta := load_entry(entry)) is None:
+            return None
+        ctx = self.ctx
+        try:
+            with open(entry.model_path, "rb") as f:
+                data = f.read()
+            # Already optimized by onnxruntime when it was stored.
+            built = build_session(data, ctx.options, ctx.debug, device_type=ctx.device.type,
+                                  providers=self.providers.providers, threads=threads, level="disable")
+        except (OSError, SessionError) as e:
+            logger.warning("ortlab: dropping cache entry %s: %s", entry.model_path, first_line(e))
+            entry.remove()
+            return None
+        self.record.session_s += built.seconds
+        self.record.cached += 1
+        if ctx.stages.wants("execution"):
+            ctx.stages.emit(self._artifact("execution", part, data, built.seconds))
+        self._count(count_ops(onnx.load_from_string(data)))
+        runner = OrtRunner(built.session, meta["input_kinds"], meta["output_kinds"], meta["output_dtypes"],
+                           meta["output_sources"], ctx.device, built.source)
+        runner.provenance = meta["provenance"]
+        self.record.parts.append(PartRecord(part, self._label(part), runner, None, "execution"))
+        return runner

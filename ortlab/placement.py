@@ -1,0 +1,250 @@
+"""Where each op of a graph runs, onnxruntime or PyTorch, and why: the one home of that decision.
+
+An op runs in PyTorch when (the ``kind`` of its :class:`Placement`):
+
+* ``random``: a random op (dropout). Kept in PyTorch so the random stream is eager's:
+  same seed, same masks, same result.
+* ``known_wrong``: torchlib has a translation that gives wrong results in onnxruntime
+  (see :data:`KNOWN_WRONG`).
+* ``untranslatable``: torchlib (and ortlab's own translations) have none.
+* ``user``: named in ``fallback_ops`` (``aten.gelu``, or ``aten.gelu@blocks.0`` for one module).
+* ``translation_failed``: the translator raised on this node.
+* ``kernel``: onnxruntime has no kernel for it on this provider and dtype (bf16 MatMul on CPU).
+
+The first four are known before anything is exported (:func:`initial_placement`); the
+last two come back from a failed export or session (:func:`culprits`), and the engine
+retries without them. The toggles and ``fallback_ops`` use the same matcher
+(:func:`selector_matches`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from ortlab.errors import ExportError, FallbackError, SessionError, first_line
+from ortlab.provenance import module_path, op_name, source_line
+from ortlab.torchlib import is_translated
+from ortlab.torchlib.translations import is_single_index_accumulate
+
+__all__ = [
+    "Placement",
+    "KINDS",
+    "RANDOM_OPS",
+    "KNOWN_WRONG",
+    "normalize_op",
+    "selector_matches",
+    "matches",
+    "initial_placement",
+    "culprits",
+    "check_raise",
+]
+
+# What each kind of decision means, for tables and docs.
+KINDS: dict[str, str] = {
+    "random": "random op: runs in PyTorch so the random stream matches eager PyTorch",
+    "known_wrong": "torchlib's translation gives wrong results in onnxruntime",
+    "untranslatable": "no ONNX translation in torchlib",
+    "user": "named in fallback_ops",
+    "translation_failed": "the ONNX translation failed on this node",
+    "kernel": "onnxruntime has no kernel for it on this provider and dtype",
+}
+
+RANDOM_OPS = frozenset({
+    "aten.native_dropout", "aten.bernoulli", "aten.rand", "aten.rand_like", "aten.randn", "aten.randn_like",
+    "aten.randint", "aten.randperm", "aten.multinomial",
+})
+
+
+def _accumulating_index_put(node: torch.fx.Node) -> bool:
+    accumulate = node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False)
+    return bool(accumulate) and not is_single_index_accumulate(node)
+
+
+_SCATTER_RACE = "onnxruntime's ScatterND(reduction=add) races on repeated indices (wrong, non-deterministic sums)"
+
+# Translations that exist but give wrong results in onnxruntime: (op, predicate, reason).
+# ScatterND(reduction="add") on onnxruntime's CPU provider loses updates when indices
+# repeat: we measured grads off by 10-30 on repeated tokens, different on every run.
+# The embedding form has our own exact translation (ortlab/torchlib/translations.py);
+# the others stay in PyTorch.
+KNOWN_WRONG: tuple[tuple[str, Callable[[torch.fx.Node], bool], str], ...] = (
+    ("aten._unsafe_index_put", _accumulating_index_put, _SCATTER_RACE),
+    ("aten.index_put", _accumulating_index_put, _SCATTER_RACE),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The decision that one FX node runs in PyTorch, with its reason.
+
+    Attributes:
+        node: the FX node name.
+        op: its op (``aten.native_dropout``).
+        kind: one of :data:`KINDS`.
+        reason: why, in words a user can act on.
+        module: nn.Module path of the node; ``source``: the model code line.
+    """
+
+    node: str
+    op: str
+    kind: str
+    reason: str
+    module: str = ""
+    source: str = ""
+
+    @classmethod
+    def of(cls, node: torch.fx.Node, kind: str, reason: str) -> Placement:
+        return cls(node.name, op_name(node), kind, reason, module_path(node), source_line(node))
+
+
+# --------------------------------------------------------------------------------- selectors
+def normalize_op(name: str) -> str:
+    """``gelu``, ``aten::gelu`` and ``aten.gelu`` all mean ``aten.gelu``.
+
+    Example:
+        >>> normalize_op("aten::gelu"), normalize_op("gelu")
+        ('aten.gelu', 'aten.gelu')
+    """
+    name = name.replace("::", ".")
+    return name if "." in name else f"aten.{name}"
+
+
+def selector_matches(op: str, module: str, selector: str, target: str = "") -> bool:
+    """Does a ``fallback_ops`` entry (``op`` or ``op@module.path``) select an op in a module?
+
+    ``op`` may also name an overload (``aten.gelu.default``, compared with ``target``);
+    ``@path`` selects that module and everything inside it.
+
+    Example:
+        >>> selector_matches("aten.gelu", "blocks.0.mlp", "gelu@blocks.0")
+        True
+    """
+    wanted, _, scope = selector.partition("@")
+    if scope and module != scope and not module.startswith(scope + "."):
+        return False
+    wanted = normalize_op(wanted)
+    return op == wanted or (bool(target) and target == wanted)
+
+
+def matches(node: torch.fx.Node, selector: str) -> bool:
+    """Does ``selector`` (a ``fallback_ops`` entry) select FX node ``node``?"""
+    return selector_matches(op_name(node), module_path(node), selector, str(node.target))
+
+
+# ----------------------------------------------------------------------- decisions up front
+def initial_placement(gm: torch.fx.GraphModule, fallback_ops: Sequence[str] = (),
+                      cache_dir: str | None = None) -> dict[str, Placement]:
+    """The nodes of ``gm`` that run in PyTorch before anything is exported, each with its reason."""
+    out: dict[str, Placement] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = op_name(node)
+        if name in RANDOM_OPS:
+            out[node.name] = Placement.of(node, "random", KINDS["random"])
+            continue
+        wrong = next((reason for op, predicate, reason in KNOWN_WRONG if name == op and predicate(node)), None)
+        if wrong is not None:
+            out[node.name] = Placement.of(node, "known_wrong", wrong)
+            continue
+        if not is_translated(node.target, cache_dir):
+            out[node.name] = Placement.of(node, "untranslatable", f"no ONNX translation for {node.target} in torchlib")
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for selector in fallback_ops:
+            if matches(node, selector):
+                out[node.name] = Placement.of(node, "user", f"named in fallback_ops ({selector!r})")
+                break
+    return out
+
+
+# ------------------------------------------------------------------------- decisions after
+_FAILED_NODE = re.compile(r"translating node %?(\w+)")
+_NODE_IN_ERROR = re.compile(r"node with name '([^']+)'|[Nn]ode \(([^)]+)\)")
+
+
+def failing_onnx_node(message: str) -> str | None:
+    """The exported ONNX node an onnxruntime error message points at, if any."""
+    from ortlab.provenance import onnx_node_of
+
+    m = _NODE_IN_ERROR.search(message)
+    name = next((g for g in m.groups() if g), None) if m else None
+    return onnx_node_of(name) if name else None
+
+
+def _value_dtype(node: Any) -> Any:
+    """The dtype a kernel is chosen by: the first output's (Where's input is a bool mask)."""
+    values = [v for v in node.outputs if v is not None] or [v for v in node.inputs if v is not None]
+    return values[0].dtype if values else None
+
+
+def culprits(
+    error: Exception,
+    nodes: dict[str, torch.fx.Node],
+    model: Any = None,
+    missing_kernels: Callable[[Any], Iterable[Any]] | None = None,
+) -> dict[str, Placement]:
+    """The FX nodes a failed export or session points at, each with its reason.
+
+    Args:
+        error: an ``ExportError`` (the translator names the node) or a ``SessionError``.
+        nodes: the graph's FX nodes by name.
+        model: the ONNX IR model the session was built from (session errors).
+        missing_kernels: ``model -> nodes onnxruntime has no kernel for`` (probing each
+            low-precision node; ``ortlab.runtime.kernels``), or None.
+
+    A missing kernel (MatMul for bfloat16 on CPU) blocks every node of that ONNX op
+    type and dtype at once, not one node per retry.
+    """
+    if isinstance(error, ExportError):
+        m = _FAILED_NODE.search(f"{error} {error.__cause__ or ''}")
+        if not m or m.group(1) not in nodes:
+            return {}
+        cause = error.__cause__
+        root = cause.__cause__ if cause is not None and cause.__cause__ is not None else cause
+        return {m.group(1): Placement.of(nodes[m.group(1)], "translation_failed",
+                                         f"ONNX translation failed: {first_line(root or error)}")}
+    if not isinstance(error, SessionError) or model is None:
+        return {}
+    found: dict[str, Placement] = {}
+    if missing_kernels is not None:
+        for n in missing_kernels(model):
+            fx = n.metadata_props.get("ortlab.fx_node")
+            if fx in nodes:
+                found.setdefault(fx, Placement.of(nodes[fx], "kernel",
+                                                  f"onnxruntime has no {n.op_type} kernel for {_value_dtype(n)}"))
+        if found:
+            return found
+    text = f"{error} {error.__cause__ or ''}"
+    onnx_name = failing_onnx_node(text)
+    graph_nodes = list(model.graph) if onnx_name else []
+    bad = next((n for n in graph_nodes if n.name == onnx_name), None)
+    if bad is None:
+        return {}
+    dtype = _value_dtype(bad)
+    verb = "has no kernel for" if "NOT_IMPLEMENTED" in text else "rejects"
+    reason = f"onnxruntime {verb} ONNX {bad.op_type} on {dtype}"
+    for n in graph_nodes:
+        fx = n.metadata_props.get("ortlab.fx_node")
+        if n.op_type == bad.op_type and _value_dtype(n) == dtype and fx in nodes:
+            found[fx] = Placement.of(nodes[fx], "kernel", reason)
+    return found
+
+
+def check_raise(placements: dict[str, Placement], where: str, fallback: str) -> None:
+    """Raise ``FallbackError`` listing every op and why when ``fallback="raise"`` and any runs in PyTorch."""
+    if not placements or fallback != "raise":
+        return
+    lines = [f"  {p.op} ({p.node}) at {p.module or '<root>'}: {p.reason}" for p in placements.values()]
+    raise FallbackError(
+        f"{len(placements)} op(s) of graph {where} would run in PyTorch, and fallback='raise':\n"
+        + "\n".join(lines)
+        + "\nRemove them from fallback_ops, change the model, or use fallback='warn'."
+    )

@@ -1,0 +1,188 @@
+"""Where a graph node came from: its nn.Module, the line of model code, its op; and ONNX node names.
+
+Shared ground: every stage of the pipeline and every tool reads provenance through
+this module, and nothing here imports a stage.
+
+FX side: Dynamo records ``nn_module_stack`` and ``stack_trace`` on the nodes it
+captures and AOTAutograd carries them onto the joint, forward and backward graphs
+(``preserve_node_meta``); backward nodes also get ``fwd_nn_module_stack`` /
+``fwd_source_fn_stack`` naming the forward node they differentiate.
+
+ONNX side: the exporter writes ``ortlab.fx_node``, ``ortlab.op``, ``ortlab.module`` and
+``ortlab.source`` on every ONNX node (``ortlab.onnx.export``). onnxruntime's optimized
+models drop node metadata, so the on-disk cache stores :func:`node_provenance` beside
+each model, and onnxruntime renames the nodes it fuses (``node_addmm/GemmTransposeFusion/``,
+``fused node_addmm``): :func:`onnx_node_of` reads the exported node back out of such a name.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import torch.fx
+
+from ortlab._compat.torch import OpOverload
+
+__all__ = ["module_path", "source_line", "op_name", "node_provenance", "restore_provenance", "onnx_node_of",
+           "onnx_node_index", "PROVENANCE_KEYS"]
+
+# The metadata keys the exporter writes on every ONNX node.
+PROVENANCE_KEYS = ("ortlab.fx_node", "ortlab.op", "ortlab.module", "ortlab.source")
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """Dotted path of the innermost nn.Module that produced ``node`` ("" for the root)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # Dynamo names submodules like "L['self'].blocks[0].attn"; keep "blocks.0.attn".
+    path = re.sub(r"^L\['[^']*'\]\.?", "", str(path))
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"\['([^']+)'\]", r".\1", path)
+    return path.strip(".")
+
+
+def source_line(node: torch.fx.Node) -> str:
+    """``file:line in function`` of the model code behind ``node`` ("" if unknown)."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = _FRAME.findall(trace)
+    if not frames:
+        return ""
+    path, line, func = frames[-1]
+    return f"{path}:{line} in {func}"
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """A readable op name: ``aten.gelu`` for OpOverloads, the function name otherwise."""
+    target = node.target
+    if isinstance(target, OpOverload):
+        return f"{target.namespace}.{target._opname}"
+    if node.op == "call_function":
+        return getattr(target, "__name__", str(target))
+    return node.op
+
+
+_KERNEL_SUFFIX = "_kernel_time"
+
+
+def onnx_node_of(name: str) -> str:
+    """The exported ONNX node behind a name onnxruntime gave: a fused node, a kernel event.
+
+    onnxruntime names a fused node ``<node>/<Fusion>/`` or ``fused <node>...`` and a
+    profiler event ``<node>_kernel_time``; the part before the first ``/`` is the node
+    that survived the fusion. The one parser of these names.
+
+    Example:
+        >>> onnx_node_of("fused node_addmm/GemmTransposeFusion/_kernel_time")
+        'node_addmm'
+    """
+    if name.endswith(_KERNEL_SUFFIX):
+        name = name[: -len(_KERNEL_SUFFIX)]
+    if name.startswith("fused "):
+        name = name[len("fused "):]
+    return name.split("/")[0]
+
+
+def _nodes_of(model: Any) -> Iterable[tuple[str, dict[str, str]]]:
+    """(name, metadata) of every node of an onnx_ir Model or an onnx ModelProto."""
+    graph = getattr(model, "graph", None)
+    if graph is None:
+        return []
+    if hasattr(graph, "all_nodes"):  # onnx_ir
+        return ((n.name or "", dict(n.metadata_props)) for n in graph.all_nodes())
+    return ((n.name, {p.key: p.value for p in n.metadata_props}) for n in graph.node)  # ModelProto
+
+
+def node_provenance(model: Any) -> dict[str, dict[str, str]]:
+    """Map each ONNX node name of ``model`` to its ortlab provenance.
+
+    Args:
+        model: an ``onnx_ir.Model`` (``ExportedGraph.model``) or an ``onnx.ModelProto``.
+
+    Returns:
+        ``{node name: {"fx_node", "module", "op", "source"}}``; nodes without ortlab
+        metadata map to empty strings.
+
+    Example:
+        >>> prov = node_provenance(exported.model)       # doctest: +SKIP
+        >>> prov["node_addmm"]["module"]                 # doctest: +SKIP
+        'net.0'
+    """
+    out: dict[str, dict[str, str]] = {}
+    for name, meta in _nodes_of(model):
+        out[name] = {
+            "fx_node": meta.get("ortlab.fx_node", ""),
+            "module": meta.get("ortlab.module", ""),
+            "op": meta.get("ortlab.op", ""),
+            "source": meta.get("ortlab.source", ""),
+        }
+    return out
+
+
+def restore_provenance(model: Any, provenance: dict[str, dict[str, str]]) -> Any | None:
+    """A copy of an ``onnx.ModelProto`` whose nodes carry their ``ortlab.*`` metadata again.
+
+    onnxruntime's optimized models drop node metadata; a node keeps the exported node's
+    name (see :func:`onnx_node_of`), so ``provenance`` (a :func:`node_provenance` map,
+    what the on-disk cache stores) gives it back. ``None`` when there is nothing to add.
+
+    Example:
+        >>> restore_provenance(onnx.load(entry.model_path), runner.provenance)   # doctest: +SKIP
+    """
+    import onnx
+
+    props = {name: [(f"ortlab.{k}", v) for k, v in prov.items() if v] for name, prov in provenance.items()}
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    added = 0
+    for node in out.graph.node:
+        if any(p.key in PROVENANCE_KEYS for p in node.metadata_props):
+            continue
+        for key, value in props.get(onnx_node_of(node.name), []):
+            entry = node.metadata_props.add()
+            entry.key, entry.value = key, value
+            added += 1
+    return out if added else None
+
+
+@functools.lru_cache(maxsize=64)
+def _node_index_cached(path: str, mtime_ns: int) -> tuple[tuple[str, str], ...]:
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    found: dict[str, str] = {}
+    producers: dict[str, str] = {}
+    for node in model.graph.node:
+        for prop in node.metadata_props:
+            if prop.key == "ortlab.fx_node":
+                found[prop.value] = node.name  # the last ONNX node of an FX node makes its value
+        for value in node.output:
+            producers.setdefault(value, node.name)
+    # Values keep their FX names: getitem_3 (an output of a multi-output op) -> its producer;
+    # a value made outside this graph (by an op running in PyTorch) -> the input itself.
+    for value, node_name in producers.items():
+        found.setdefault(value, node_name)
+    for value in model.graph.input:
+        found.setdefault(value.name, value.name)
+    return tuple(found.items())
+
+
+def onnx_node_index(path: str) -> dict[str, str]:
+    """FX node name -> name of the (last) ONNX node exported for it, read from a model's ``ortlab.fx_node``.
+
+    FX values without a node of their own (``getitem_3`` of a multi-output op) map to
+    the ONNX node that produces the value of that name, and graph inputs to themselves.
+    The model is read once per version of the file (cached by path and modification time).
+
+    Example:
+        >>> onnx_node_index("net_forward_exported_train.onnx")["tanh"]    # doctest: +SKIP
+        'node_tanh'
+    """
+    return dict(_node_index_cached(os.path.abspath(path), os.stat(path).st_mtime_ns))

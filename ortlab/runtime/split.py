@@ -1,0 +1,115 @@
+"""Run a graph whose ops are placed partly in onnxruntime and partly in PyTorch.
+
+torch.fx's ``CapabilityBasedPartitioner`` groups the nodes onnxruntime runs into
+partitions (``fused_0``, ``fused_1``...); each becomes one session, called from the
+graph in place of its nodes, and the nodes placed in PyTorch (``ortlab.placement``)
+run between them as they are. A graph with nothing placed in PyTorch is one session.
+
+The callables follow AOTAutograd's boxed convention (one list argument, released as
+soon as it is read), so inputs are freed while the graph runs.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Collection
+
+import torch
+import torch.fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from ortlab._compat.torch import OpOverload
+
+__all__ = ["copy_graph", "split_graph", "boxed"]
+
+# What turns one FX graph (the whole graph, or one partition) into a callable returning a list.
+PartMaker = Callable[[torch.fx.GraphModule, str], Callable[..., list]]
+
+
+class _Support(OperatorSupportBase):
+    def __init__(self, in_pytorch: Collection[str]) -> None:
+        super().__init__()
+        self.in_pytorch = in_pytorch
+
+    def is_node_supported(self, submodules: object, node: torch.fx.Node) -> bool:
+        if node.op != "call_function" or node.name in self.in_pytorch:
+            return False
+        if node.target is operator.getitem:  # keep a getitem with its producer
+            src = node.args[0]
+            return not (isinstance(src, torch.fx.Node) and src.name in self.in_pytorch)
+        return True
+
+
+class _OrtPart(torch.nn.Module):
+    """A fused partition replaced by its onnxruntime session."""
+
+    def __init__(self, runner: Callable[..., list], single: bool) -> None:
+        super().__init__()
+        self.runner = runner
+        self.single = single
+
+    def forward(self, *args: object) -> object:
+        out = self.runner(*args)
+        return out[0] if self.single else tuple(out)
+
+
+def boxed(fn: Callable) -> Callable:
+    """``fn(*args)`` as AOTAutograd's boxed callable ``run(args: list)``."""
+
+    def run(args: list) -> object:
+        return fn(*args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def _boxed_runner(runner: Callable[..., list]) -> Callable:
+    def run(args: list) -> list:
+        out = runner(*args)
+        args.clear()  # boxed convention: release inputs as soon as onnxruntime is done
+        return out
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
+
+
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A fresh graph with the same node names and (shallow-copied) meta."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _worth_running(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, OpOverload) and isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def split_graph(gm: torch.fx.GraphModule, in_pytorch: Collection[str], make_part: PartMaker) -> Callable:
+    """A boxed callable running ``gm``: the nodes in ``in_pytorch`` in PyTorch, the rest in parts.
+
+    ``make_part(graph, part_name)`` builds each onnxruntime part (``part_name`` is "" for
+    the whole graph, ``fused_0``... for partitions). ``gm`` itself is not changed: export
+    inserts type-promotion nodes and fusing partitions rewrites the graph, so the work is
+    done on a copy (a retry starts from the graph AOTAutograd gave).
+    """
+    gm = copy_graph(gm)
+    if not in_pytorch:
+        return _boxed_runner(make_part(gm, ""))
+    partitioner = CapabilityBasedPartitioner(gm, _Support(in_pytorch), allows_single_node_partition=True)
+    partitions = partitioner.propose_partitions()
+    # Partitions of only getitems/size arithmetic are not worth a session.
+    partitions = [p for p in partitions if any(_worth_running(n) for n in p.nodes)]
+    fused = partitioner.fuse_partitions(partitions)
+    for node in list(fused.graph.nodes):
+        if node.op == "call_module" and node.target.startswith("fused_"):
+            sub = getattr(fused, node.target)
+            out = next(n for n in sub.graph.nodes if n.op == "output")
+            single = not isinstance(out.args[0], (tuple, list))
+            if single:
+                out.args = ((out.args[0],),)
+                sub.recompile()
+            setattr(fused, node.target, _OrtPart(make_part(sub, node.target), single))
+    fused.recompile()
+    return boxed(fused.forward)
