@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ortlab.errors import ConfigError
+
 __all__ = ["GPT", "GPTConfig", "MLP", "TinyMLP", "make_batch"]
 
 
@@ -78,7 +80,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg = config or GPTConfig()
         if cfg.d_model % cfg.n_heads:
-            raise ValueError(f"d_model={cfg.d_model} must be divisible by n_heads={cfg.n_heads}")
+            raise ConfigError(f"d_model={cfg.d_model} must be divisible by n_heads={cfg.n_heads}")
         self.tok = nn.Embedding(cfg.vocab, cfg.d_model)
         self.pos = nn.Embedding(cfg.block_size, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
@@ -117,7 +119,7 @@ class MLP(nn.Module):
     def __init__(self, sizes: tuple[int, ...] = (784, 1024, 1024, 10)) -> None:
         super().__init__()
         if len(sizes) < 2:
-            raise ValueError(f"sizes needs at least an input and an output width, got {sizes}")
+            raise ConfigError(f"sizes needs at least an input and an output width, got {sizes}")
         layers: list[nn.Module] = []
         for i, (n_in, n_out) in enumerate(zip(sizes, sizes[1:])):
             layers += [nn.Linear(n_in, n_out)] + ([nn.ReLU()] if i < len(sizes) - 2 else [])
@@ -183,6 +185,6 @@ def make_batch(
             idx[:, t] = (idx[:, t - 1] * 7 + 3) % vocab
         return idx.to(device), ((idx * 7 + 3) % vocab).to(device)
     if kind not in _MLP_SHAPES:
-        raise ValueError(f"unknown batch kind {kind!r}; expected one of 'gpt', {', '.join(map(repr, _MLP_SHAPES))}")
+        raise ConfigError(f"unknown batch kind {kind!r}; expected one of 'gpt', {', '.join(map(repr, _MLP_SHAPES))}")
     x = torch.randn(batch, _MLP_SHAPES[kind][0], generator=generator)
     return x.to(device), (x @ _teacher(*_MLP_SHAPES[kind])).argmax(dim=1).to(device)

@@ -7,5 +7,6 @@ Example:
 
 from ortlab.inspect.bisect import BisectResult, bisect_fallbacks, write_repro
 from ortlab.inspect.compare import CompareResult, compare
+from ortlab.inspect.loss import default_loss
 
-__all__ = ["compare", "CompareResult", "bisect_fallbacks", "BisectResult", "write_repro"]
+__all__ = ["compare", "CompareResult", "bisect_fallbacks", "BisectResult", "write_repro", "default_loss"]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
+from ortlab.errors import ConfigError
 from ortlab.inspect._tables import result_html, result_text
 
 if TYPE_CHECKING:
@@ -299,7 +300,9 @@ class CompareResult:
         for n in self.nodes:
             if n.node == name and (graph is None or n.graph == graph):
                 return n
-        raise KeyError(f"no compared node {name!r}" + (f" in {graph}" if graph else ""))
+        where = f" in {graph}" if graph else ""
+        raise ConfigError(f"no compared node {name!r}{where}; compared nodes are listed in result.nodes "
+                          "(names as in the FX graphs, e.g. 'gelu_1').")
 
     @property
     def first_divergent_layer(self) -> LayerSummary | None:

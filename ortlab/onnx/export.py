@@ -1,6 +1,6 @@
 """Translate one AOTAutograd FX graph (forward, backward or inference) to ONNX.
 
-We call torch.onnx's own FX translator (``_core._translate_fx_graph``) with the
+We call torch.onnx's own FX translator (through ``ortlab._compat.torch``) with the
 torchlib registry, so every aten op is translated by the same functions
 ``torch.onnx.export(dynamo=True)`` uses. We do not go through ``torch.export``:
 the graph is already functional aten, and re-tracing it would cost seconds and

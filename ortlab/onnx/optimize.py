@@ -6,9 +6,10 @@ constants and these patterns (the GPT's forward went from 804 to 207 nodes, its 
 ~3% faster). It also makes the saved ``onnxscript`` stage readable.
 
 The optimizer is best effort: when it raises, or changes the graph's inputs or outputs
-(which the runtime feeds by position), the graph as exported is used instead and the
-reason is returned for the report. The exported graph is correct either way; only
-speed is lost.
+(which the runtime feeds by position), the result says why, and the caller runs the
+graph as exported instead (``ortlab.pipeline.part`` exports it again: keeping a copy
+of every graph in case the optimizer fails cost ~2% of the first step). The exported
+graph is correct either way; only speed is lost.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import dataclasses
 import logging
 import time
 
-import onnx_ir as ir
 import onnxscript.optimizer
 
 from ortlab.errors import first_line
@@ -34,7 +34,8 @@ class OptimizeResult:
 
     Attributes:
         seconds: the time it took.
-        skipped: why the graph runs as exported ("" when the optimizer's result is used).
+        skipped: why its result cannot be used ("" when it can): the model may then be
+            half-optimized, and must be exported again.
     """
 
     seconds: float
@@ -42,11 +43,10 @@ class OptimizeResult:
 
 
 def optimize_exported(exported: ExportedGraph) -> OptimizeResult:
-    """Optimize ``exported.model`` in place, or leave it as exported and say why."""
+    """Optimize ``exported.model`` in place; ``skipped`` says why the result is unusable, if it is."""
     start = time.perf_counter()
     graph = exported.model.graph
     names_in, names_out = [v.name for v in graph.inputs], [v.name for v in graph.outputs]
-    backup = ir.to_proto(exported.model)  # the graph as exported, should the optimizer break it
     quiet = logging.getLogger("onnx_ir")  # "Skipped deduplication of initializer ..." on every graph
     level = quiet.level
     quiet.setLevel(logging.ERROR)
@@ -64,5 +64,4 @@ def optimize_exported(exported: ExportedGraph) -> OptimizeResult:
     if skipped:
         logger.warning("ortlab: %s on %s; the graph runs as exported (correct, possibly slower)",
                        skipped, exported.model.graph.name)
-        exported.model = ir.from_proto(backup)
     return OptimizeResult(time.perf_counter() - start, skipped)

@@ -31,7 +31,14 @@ from ortlab.runtime.cache import CacheEntry, cache_key, load_entry, store_meta
 from ortlab.runtime.kernels import missing_kernels
 from ortlab.runtime.observe import GraphObserver, observed_part
 from ortlab.runtime.runner import OrtRunner
-from ortlab.runtime.session import BuiltSession, build_session, choose_providers, choose_threads, optimized_model
+from ortlab.runtime.session import (
+    BuiltSession,
+    ThreadChoice,
+    build_session,
+    choose_providers,
+    choose_threads,
+    optimized_model,
+)
 from ortlab.sizes import matmul_flops
 from ortlab.stages import ORT_LEVEL_STAGES, StageArtifact, Stages, count_ops, label
 
@@ -123,8 +130,10 @@ class PartBuilder:
         if ctx.options.graph_optimization_level != "disable":
             optimized = optimize_exported(exported)
             record.export_s += optimized.seconds
-            if optimized.skipped:
+            if optimized.skipped:  # the model may be half-optimized: export it again, run it as exported
                 record.notes.append(f"{onnx_name} runs as exported: {optimized.skipped}")
+                exported = export_graph(gm, onnx_name)
+                record.export_s += exported.seconds
             if ctx.stages.wants("onnxscript"):
                 ctx.stages.emit(self._artifact("onnxscript", part, exported.model, optimized.seconds))
         data = exported.to_bytes()
@@ -143,7 +152,7 @@ class PartBuilder:
     def _label(self, part: str) -> str:
         return label(self.ctx.capture, self.record.name, part)
 
-    def _session(self, data: bytes, part: str, threads, entry: CacheEntry | None,  # noqa: ANN001
+    def _session(self, data: bytes, part: str, threads: ThreadChoice, entry: CacheEntry | None,
                  exported: ExportedGraph) -> BuiltSession:
         """The session of ``data``, writing the optimized model to the cache and the ``execution`` stage."""
         ctx = self.ctx
@@ -194,7 +203,7 @@ class PartBuilder:
             self.record.onnx_ops[op] = self.record.onnx_ops.get(op, 0) + count
         self.record.ort_partitions += 1
 
-    def _from_cache(self, entry: CacheEntry, part: str, threads) -> OrtRunner | None:  # noqa: ANN001
+    def _from_cache(self, entry: CacheEntry, part: str, threads: ThreadChoice) -> OrtRunner | None:
         if not entry.exists() or (meta := load_entry(entry)) is None:
             return None
         ctx = self.ctx
