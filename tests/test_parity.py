@@ -26,11 +26,11 @@ from conftest import (
     seed_all,
     twin,
 )
-from models import GPT_CONFIG, Stage, make, randn
+from models import GPT_CONFIG, Stage, gen, make, randn
 from torch import nn
 
 import ortlab
-from ortlab.models import GPT, GPTConfig
+from ortlab.models import GPT, GPTConfig, TinyMLP, make_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore::ortlab.FallbackWarning")
 
@@ -316,6 +316,17 @@ def test_dynamic_batch_and_sequence_does_not_recapture():
     sizes = [{"batch": 2, "seq": 4}, {"batch": 3, "seq": 6}, {"batch": 2, "seq": 11}, {"batch": 5, "seq": 16}]
     assert_parity(eager, om, inputs, sizes=sizes)
     assert len(om.report.captures) <= 2, om.report
+    assert_ran_in_ort(om)
+
+
+def test_empty_batches_run_in_onnxruntime_and_match():
+    """A zero-element input has data_ptr() == 0, which onnxruntime refused ("data_ptr was false")."""
+    eager, om = twin(TinyMLP())
+
+    def inputs(step: int = 0, batch: int = 8) -> tuple[tuple, dict]:
+        return (make_batch("tiny", batch, gen(step))[0],), {}
+
+    assert_parity(eager, om, inputs, sizes=[{"batch": b} for b in (0, 3, 0)])
     assert_ran_in_ort(om)
 
 

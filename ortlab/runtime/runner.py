@@ -24,7 +24,7 @@ import onnxruntime as ort
 import torch
 
 from ortlab._compat.onnxruntime import OrtValueVector, RunOptions, ort_device, session_core, value_from_dlpack
-from ortlab._compat.torch import from_dlpack_capsule
+from ortlab._compat.torch import from_dlpack_capsule, unset_fake_temporarily
 from ortlab.errors import InternalError, SessionError
 from ortlab.runtime.session import SessionSource
 
@@ -84,6 +84,11 @@ class OrtRunner:
         self.device = device
         self._ort_device = ort_device(device.type, device.index or 0)
         self._in_devices = [self._ort_device] * len(self.input_names)
+        # A tensor with no elements has data_ptr() == 0, which onnxruntime refuses ("data_ptr
+        # was false"); it reads nothing from it, so any valid address on the device will do.
+        with unset_fake_temporarily():  # runners are built while AOTAutograd traces with fake tensors
+            self._no_data = torch.empty(1, dtype=torch.uint8, device=device)
+        self._no_data_ptr = self._no_data.data_ptr()
         self._out_devices = [self._ort_device] * len(self.output_names)
         self._run_options = RunOptions()
         if len(self.input_names) != len(input_kinds):
@@ -137,7 +142,8 @@ class OrtRunner:
             np_dtypes = None
         if np_dtypes is not None:
             inputs.push_back_batch(
-                tensors, [t.data_ptr() for t in tensors], np_dtypes, [t.shape for t in tensors], self._in_devices
+                tensors, [t.data_ptr() or self._no_data_ptr for t in tensors], np_dtypes, [t.shape for t in tensors],
+                self._in_devices,
             )
         else:
             for t in tensors:
