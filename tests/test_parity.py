@@ -330,6 +330,17 @@ def test_empty_batches_run_in_onnxruntime_and_match():
     assert_ran_in_ort(om)
 
 
+def test_float64_layer_norm_trains_in_onnxruntime():
+    """torchlib's LayerNormalization saved float32 statistics for a float64 model: the backward failed."""
+    eager, om = twin(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).double())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(4, 8, dtype=torch.float64, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1, rtol=1e-9, atol=1e-10)
+    assert_ran_in_ort(om)
+
+
 def test_input_structure_changes_recapture():
     module, inputs = make("structure_switch")
     eager, om = twin(module)

@@ -13,6 +13,11 @@ ops torchlib translates directly) and change it in three places, each a real gap
 * ``nll_loss_forward``/``nll_loss_backward``: torchlib's backward ignores
   ``total_weight`` (gradients came out ``B*T`` times too large in our spike), so we
   use torch's decompositions instead.
+* float64 ``native_layer_norm``: torchlib's LayerNormalization keeps the mean and
+  1/std it returns in float32 (``stash_type=1``), so a float64 model's backward got
+  float32 saved statistics and onnxruntime refused to run it ("Unexpected input data
+  type"). In float64 the op is traced through torch's decomposition (exact float64
+  math); other dtypes keep the fused LayerNormalization.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 from ortlab._compat.torch import OpOverload, aten_decompositions, onnx_friendly_decompositions
 from ortlab.torchlib import overload, translated_ops
 
-__all__ = ["decomposition_table", "sdpa_math", "convolution_backward"]
+__all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64"]
 
 aten = torch.ops.aten
 
@@ -58,7 +63,21 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
         if op in aten_decompositions:
             table[op] = aten_decompositions[op]
     table[aten.convolution_backward.default] = convolution_backward
+    table[aten.native_layer_norm.default] = native_layer_norm_float64
     return table
+
+
+def native_layer_norm_float64(
+    input: torch.Tensor,
+    normalized_shape: list[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> object:
+    """``native_layer_norm`` through torch's decomposition in float64 only (see the module docstring)."""
+    if input.dtype != torch.float64:
+        return NotImplemented
+    return aten_decompositions[aten.native_layer_norm.default](input, normalized_shape, weight, bias, eps)
 
 
 def convolution_backward(
