@@ -371,6 +371,7 @@ class ORTModule(nn.Module):
         self._check_inputs(args, kwargs)
         first = self._ortlab_calls == 0
         breaks_before = dict(dynamo_counters["graph_break"])
+        skipped_before = dict(dynamo_counters["unimplemented"])
         start = time.perf_counter()
         try:
             out = self._ortlab_compiled(*args, **kwargs)
@@ -381,22 +382,30 @@ class ORTModule(nn.Module):
             out = self._capture_failed(e, args, kwargs)
         except TorchDynamoException as e:
             out = self._capture_failed(e, args, kwargs)
-        self._record_graph_breaks(breaks_before)
+        self._record_graph_breaks(breaks_before, skipped_before)
         object.__setattr__(self, "_ortlab_calls", self._ortlab_calls + 1)
         if first:
             self._ortlab_report.first_call_s = time.perf_counter() - start
             logger.info("%s", self._ortlab_report)
         return out
 
-    def _record_graph_breaks(self, before: dict) -> None:
-        now = dynamo_counters["graph_break"]
-        for reason, count in now.items():
-            new = count - before.get(reason, 0)
+    def _record_graph_breaks(self, breaks_before: dict, skipped_before: dict) -> None:
+        """Graph breaks and frames Dynamo skipped (it runs them in PyTorch, silently): fallbacks with reasons."""
+        report = self._ortlab_report
+        for reason, count in dynamo_counters["graph_break"].items():
+            new = count - breaks_before.get(reason, 0)
             if new <= 0:
                 continue
-            report = self._ortlab_report
             report.graph_breaks[reason] = report.graph_breaks.get(reason, 0) + new
             fb = Fallback(scope="graph_break", where="ORTModule", reason=f"graph break: {reason}")
+            report.module_fallbacks.append(fb)
+            warn_fallback(fb)
+        for reason, count in dynamo_counters["unimplemented"].items():
+            if count - skipped_before.get(reason, 0) <= 0:
+                continue
+            first = reason.strip().splitlines()[0] if reason.strip() else "unsupported code"
+            fb = Fallback(scope="frame", where="ORTModule",
+                          reason=f"Dynamo cannot capture this code, so it runs in PyTorch: {first}")
             report.module_fallbacks.append(fb)
             warn_fallback(fb)
 

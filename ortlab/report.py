@@ -30,8 +30,9 @@ class Fallback:
     """Something that runs in PyTorch instead of onnxruntime, and why.
 
     Attributes:
-        scope: ``op`` (one FX node), ``graph`` (a whole captured graph) or ``module``
-            (the whole module call, after a capture failure).
+        scope: ``op`` (one FX node), ``graph`` (a whole captured graph), ``graph_break``
+            (the code around a graph break), ``frame`` (code Dynamo skipped, such as an
+            ``nn.LSTM``) or ``module`` (the whole module call, after a capture failure).
         where: graph name (``g0.forward``) or ``ORTModule``.
         node: FX node name for ``op`` fallbacks.
         op: the op (``aten.native_dropout``) or "".

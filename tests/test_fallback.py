@@ -197,3 +197,27 @@ def test_fallback_ops_scoped_to_a_module():
     torch.testing.assert_close(loss, ref, rtol=RTOL, atol=ATOL)
     gelu = [f for f in om.report.fallbacks if f.op == "aten.gelu"]
     assert [f.module for f in gelu] == ["blocks.1"]
+
+
+class _Recurrent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn = nn.LSTM(4, 8, batch_first=True)
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
+def test_code_dynamo_skips_is_a_warned_fallback_not_silent():
+    """Dynamo skips an nn.LSTM's frame and runs it eagerly, counting it nowhere but its counters."""
+    eager = _Recurrent()
+    om = ortlab.ORTModule(copy.deepcopy(eager))
+    x = torch.randn(2, 5, 4)
+    with pytest.warns(ortlab.FallbackWarning, match="Dynamo cannot capture .*LSTM"):
+        out = om(x)
+    torch.testing.assert_close(out, eager(x))
+    frames = [f for f in om.report.fallbacks if f.scope == "frame"]
+    assert frames and "LSTM" in frames[0].reason and "LSTM" in str(om.report)
+    with pytest.raises(ortlab.CaptureError, match="LSTM"):
+        ortlab.ORTModule(copy.deepcopy(eager), fallback="raise")(x)
