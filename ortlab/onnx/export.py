@@ -40,6 +40,7 @@ from ortlab._compat.torch import (
     unset_fake_temporarily,
 )
 from ortlab.errors import ExportError, first_line
+from ortlab.onnx.guards import IndexGuard, add_index_guards
 from ortlab.provenance import module_path, op_name, source_line
 from ortlab.stages import count_ops
 from ortlab.torchlib import get_registry
@@ -77,6 +78,8 @@ class ExportedGraph:
             onnxruntime output, ``("input", i)`` for the i-th input returned as it is,
             ``("output", j)`` for a repeat of FX output ``j``.
         seconds: time the translation took.
+        guards: the index guards among the model's outputs, after the graph's own
+            outputs (see Note [Index guards] in ``ortlab.onnx.guards``).
     """
 
     model: ir.Model
@@ -85,6 +88,7 @@ class ExportedGraph:
     output_dtypes: list[torch.dtype | None]
     output_sources: list[tuple[str, int] | None]
     seconds: float
+    guards: list[IndexGuard] = dataclasses.field(default_factory=list)
 
     @property
     def input_names(self) -> list[str]:
@@ -152,13 +156,15 @@ def bypass_output_identities(model: ir.Model) -> int:
     return bypassed
 
 
-def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
+def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = False) -> ExportedGraph:
     """Translate ``gm`` to ONNX.
 
     Args:
         gm: a functional aten FX graph from AOTAutograd (every op translatable:
             split off the ops placed in PyTorch first, see ``ortlab.runtime.split``).
         name: the ONNX graph name.
+        guard_indices: add index guards (forward and no-grad graphs; see
+            Note [Index guards] in ``ortlab.onnx.guards``).
 
     Raises:
         ExportError: naming the FX node that failed and why.
@@ -208,7 +214,9 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
             continue
         if not isinstance(out, torch.fx.Node):
             raise ExportError(f"graph {name!r} returns a constant {out!r} at position {i}; not supported")
-        val = out.meta.get("val")
+        if "val" not in out.meta:  # without it the output would pass for a None
+            raise ExportError(f"graph {name!r} output {out.name} has no example value; cannot type it for ONNX")
+        val = out.meta["val"]
         kind = value_kind(val)
         output_kinds.append(kind)
         output_dtypes.append(val.dtype if kind == "tensor" else None)
@@ -240,6 +248,8 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
         output_sources.append(None)
         graph.outputs.append(value)
 
+    guards = add_index_guards(gm, graph, values) if guard_indices else []
+
     # torchlib's shape guesses for intermediate values can be wrong with symbolic
     # sizes (onnxruntime then warns on every run); let onnxruntime infer them.
     if model.functions:
@@ -264,4 +274,5 @@ def export_graph(gm: torch.fx.GraphModule, name: str) -> ExportedGraph:
     add_opset_imports(model)
     # onnxruntime 1.31 reads IR version <= 13 while torch's exporter targets newer ones.
     model.ir_version = min(model.ir_version, 10)
-    return ExportedGraph(model, input_kinds, output_kinds, output_dtypes, output_sources, time.perf_counter() - start)
+    return ExportedGraph(model, input_kinds, output_kinds, output_dtypes, output_sources, time.perf_counter() - start,
+                         guards)

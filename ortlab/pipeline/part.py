@@ -120,8 +120,9 @@ class PartBuilder:
             if hit is not None:
                 return hit
         onnx_name = record.name if not part else f"{record.name}_{part}"
+        guard = record.name != "backward"  # the backward's indices were checked in the forward
         try:
-            exported = export_graph(gm, onnx_name)
+            exported = export_graph(gm, onnx_name, guard_indices=guard)
         except ExportError as e:
             raise self._retry(e, None) from e
         record.export_s += exported.seconds
@@ -132,7 +133,7 @@ class PartBuilder:
             record.export_s += optimized.seconds
             if optimized.skipped:  # the model may be half-optimized: export it again, run it as exported
                 record.notes.append(f"{onnx_name} runs as exported: {optimized.skipped}")
-                exported = export_graph(gm, onnx_name)
+                exported = export_graph(gm, onnx_name, guard_indices=guard)
                 record.export_s += exported.seconds
             if ctx.stages.wants("onnxscript"):
                 ctx.stages.emit(self._artifact("onnxscript", part, exported.model, optimized.seconds))
@@ -140,11 +141,11 @@ class PartBuilder:
         built = self._session(data, part, threads, entry, exported)
         if entry is not None:
             store_meta(entry, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
-                       exported.output_sources, node_provenance(exported.model))
+                       exported.output_sources, node_provenance(exported.model), exported.guards)
         self._emit_levels(data, part)
         self._count(exported.op_counts())
         runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
-                           exported.output_sources, ctx.device, built.source)
+                           exported.output_sources, ctx.device, built.source, exported.guards)
         given = "onnxscript" if ctx.options.graph_optimization_level != "disable" else "exported"
         record.parts.append(PartRecord(part, self._label(part), runner, exported, given))
         return runner
@@ -223,7 +224,7 @@ class PartBuilder:
             ctx.stages.emit(self._artifact("execution", part, data, built.seconds))
         self._count(count_ops(onnx.load_from_string(data)))
         runner = OrtRunner(built.session, meta["input_kinds"], meta["output_kinds"], meta["output_dtypes"],
-                           meta["output_sources"], ctx.device, built.source)
+                           meta["output_sources"], ctx.device, built.source, meta["guards"])
         runner.provenance = meta["provenance"]
         self.record.parts.append(PartRecord(part, self._label(part), runner, None, "execution"))
         return runner

@@ -24,6 +24,7 @@ import torch.fx
 
 from ortlab._compat.torch import unset_fake_temporarily
 from ortlab._versions import library_versions
+from ortlab.onnx.guards import IndexGuard
 
 __all__ = ["cache_key", "CacheEntry", "load_entry", "store_meta"]
 
@@ -79,7 +80,8 @@ class CacheEntry:
 
 
 def store_meta(entry: CacheEntry, input_kinds: list, output_kinds: list, output_dtypes: list,
-               output_sources: list, provenance: dict[str, dict[str, str]] | None = None) -> None:
+               output_sources: list, provenance: dict[str, dict[str, str]] | None = None,
+               guards: list[IndexGuard] | None = None) -> None:
     """Write the runner metadata of an entry; ``provenance`` maps node names to their source
     (onnxruntime's optimized model has lost the nodes' ``ortlab.*`` metadata)."""
     meta = {
@@ -88,6 +90,7 @@ def store_meta(entry: CacheEntry, input_kinds: list, output_kinds: list, output_
         "output_dtypes": [str(d) if d is not None else None for d in output_dtypes],
         "output_sources": output_sources,
         "provenance": {k: v for k, v in (provenance or {}).items() if any(v.values())},
+        "guards": [g.to_dict() for g in guards or []],
     }
     tmp = entry.meta_path + ".tmp"
     with open(tmp, "w") as f:
@@ -103,7 +106,8 @@ def load_entry(entry: CacheEntry) -> dict | None:
         meta["output_dtypes"] = [_DTYPES[d] if d is not None else None for d in meta["output_dtypes"]]
         meta["output_sources"] = [tuple(s) if s is not None else None for s in meta["output_sources"]]
         meta.setdefault("provenance", {})
+        meta["guards"] = [IndexGuard.from_dict(g) for g in meta.get("guards", [])]
         return meta
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, TypeError) as e:
         logger.warning("ignoring unreadable cache entry %s: %s", entry.meta_path, e)
         return None

@@ -26,6 +26,7 @@ import torch
 from ortlab._compat.onnxruntime import OrtValueVector, RunOptions, ort_device, session_core, value_from_dlpack
 from ortlab._compat.torch import from_dlpack_capsule, unset_fake_temporarily
 from ortlab.errors import InternalError, SessionError
+from ortlab.onnx.guards import IndexGuard, check
 from ortlab.runtime.session import SessionSource
 
 __all__ = ["OrtRunner"]
@@ -57,6 +58,8 @@ class OrtRunner:
         device: where inputs live and outputs are allocated.
         session_source: what the session was built from, for tools that build a
             session like it (``None``: such tools skip this runner).
+        guards: the index guards among the session's last outputs, checked after every
+            run (see Note [Index guards] in ``ortlab.onnx.guards``).
     """
 
     def __init__(
@@ -68,9 +71,11 @@ class OrtRunner:
         output_sources: list[tuple[str, int] | None],
         device: torch.device,
         session_source: SessionSource | None = None,
+        guards: list[IndexGuard] | None = None,
     ) -> None:
         self.session = session
         self.session_source = session_source
+        self.guards = guards or []
         # node name -> {fx_node, module, op, source}, set for models loaded from the on-disk
         # cache (their optimized model lost the nodes' metadata); None otherwise.
         self.provenance: dict[str, dict[str, str]] | None = None
@@ -171,4 +176,6 @@ class OrtRunner:
                 result.append(float(t))
             else:
                 result.append(bool(t))
+        if self.guards:
+            check(self.guards, list(produced))  # raises PyTorch's IndexError before anything is returned
         return result

@@ -1,0 +1,197 @@
+"""Index guards: PyTorch's bounds errors for indices onnxruntime would silently wrap or refuse.
+
+Note [Index guards]
+ONNX's ``Gather`` and ``GatherElements`` count a negative index from the end, and
+onnxruntime answers an index past the end with its own ``INVALID_ARGUMENT``. PyTorch
+raises instead: ``embedding`` and ``index_select`` want ``0 <= i < n`` (``IndexError:
+index out of range in self``), ``gather`` too (``RuntimeError: index -1 is out of
+bounds ...``), advanced indexing ``x[idx]`` wants ``-n <= i < n``, and a loss's target
+``0 <= t < C`` or ``ignore_index`` (``IndexError: Target -1 is out of bounds.``). Through
+onnxruntime, ``nn.Embedding(10, 4)(tensor([1, 2, -1]))`` returned row 9 and
+``F.cross_entropy`` with a target of -1 returned a loss: silently wrong.
+
+So the exporter gives each such op of a forward or no-grad graph a guard: an extra
+int64 output ``[min index, max index, size]`` (three reductions over the index tensor,
+a few microseconds), and the runner checks it after each run and raises the error
+PyTorch raises before anything is returned (:func:`check`). The op itself reads its
+index clipped into range (a ``Clip``, which changes nothing for valid indices), so an
+index past the end cannot stop the run with onnxruntime's own error before the guard
+is read. A loss's target reaches
+``gather`` through torch's ``nll_loss`` decomposition with ignored positions already
+replaced by 0; the node remembers it came from ``nll_loss`` (``original_aten``), so
+the error is the loss's. Backward graphs need no guards: their indices were checked
+in the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import torch
+import torch.fx
+
+from ortlab.provenance import module_path, op_name, source_line
+
+__all__ = ["IndexGuard", "add_index_guards", "check"]
+
+_LOSSES = ("aten.nll_loss_forward", "aten.nll_loss2d_forward")
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexGuard:
+    """What one guard output checks, and the error PyTorch raises when it fails.
+
+    Attributes:
+        output: the name of the guard's ONNX output (``[min, max, size]``).
+        lowest: ``0``, or ``"-size"`` for indexing that counts from the end.
+        error: ``IndexError`` or ``RuntimeError`` (what PyTorch raises for this op).
+        message: PyTorch's message, with ``{index}``, ``{dim}`` and ``{size}`` to fill in.
+        dim: the indexed dimension.
+        where: the op, its module and source line, for the message.
+    """
+
+    output: str
+    lowest: str
+    error: str
+    message: str
+    dim: int
+    where: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> IndexGuard:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+def _dim(dim: int, rank: int) -> int:
+    return dim + rank if dim < 0 else dim
+
+
+def _specs(node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node, int, str, str, str]]:
+    """(data, index, dim, lowest, error, message) of each index ``node`` reads, none for other ops."""
+    name = op_name(node)
+    args = node.args
+    if name == "aten.embedding":
+        return [(args[0], args[1], 0, "0", "IndexError", "index out of range in self")]
+    if name == "aten.index_select":
+        return [(args[0], args[2], args[1], "0", "IndexError", "index out of range in self")]
+    if name == "aten.gather":
+        original = node.meta.get("original_aten")
+        if original is not None and op_name_of(original) in _LOSSES:
+            return [(args[0], args[2], args[1], "0", "IndexError", "Target {index} is out of bounds.")]
+        return [(args[0], args[2], args[1], "0", "RuntimeError",
+                 "index {index} is out of bounds for dimension {dim} with size {size}")]
+    if name == "aten.index" and len(args) > 1:
+        out = []
+        for d, index in enumerate(args[1]):
+            if isinstance(index, torch.fx.Node) and _is_integer(index):
+                out.append((args[0], index, d, "-size", "IndexError",
+                            "index {index} is out of bounds for dimension {dim} with size {size}"))
+        return out
+    return []
+
+
+def op_name_of(target: Any) -> str:
+    """``aten.nll_loss_forward`` for an OpOverload (``node.meta["original_aten"]``)."""
+    return f"{getattr(target, 'namespace', '')}.{getattr(target, '_opname', str(target))}"
+
+
+def _is_integer(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and not val.is_floating_point() and val.dtype != torch.bool \
+        and not val.is_complex()
+
+
+def _const(values: list[int], name: str) -> ir.Node:
+    return ir.node("Constant", [], attributes={"value": ir.tensor(np.array(values, dtype=np.int64), name=name)})
+
+
+def add_index_guards(gm: torch.fx.GraphModule, graph: ir.Graph, values: dict[str, Any]) -> list[IndexGuard]:
+    """Add a guard output to ``graph`` for each index an op of ``gm`` reads (see Note [Index guards])."""
+    guards: list[IndexGuard] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for data, index, dim, lowest, error, message in _specs(node):
+            data_value, index_value = values.get(getattr(data, "name", "")), values.get(getattr(index, "name", ""))
+            data_val = data.meta.get("val") if isinstance(data, torch.fx.Node) else None
+            if not isinstance(data_value, ir.Value) or not isinstance(index_value, ir.Value) or \
+                    not isinstance(data_val, torch.Tensor) or not _is_integer(index):
+                continue
+            dim = _dim(int(dim), data_val.dim())
+            k = len(guards)
+            as_int64 = ir.node("Cast", [index_value], attributes={"to": ir.DataType.INT64})
+            shape = _const([-1], f"ortlab_guard_{k}_flat")
+            flat = ir.node("Reshape", [as_int64.outputs[0], shape.outputs[0]])
+            low = ir.node("ReduceMin", [flat.outputs[0]], attributes={"keepdims": 1})
+            high = ir.node("ReduceMax", [flat.outputs[0]], attributes={"keepdims": 1})
+            size = ir.node("Shape", [data_value], attributes={"start": dim, "end": dim + 1})
+            out = ir.node("Concat", [low.outputs[0], high.outputs[0], size.outputs[0]], attributes={"axis": 0})
+            nodes = [as_int64, shape, flat, low, high, size, out]
+            nodes += _clip_for(node, index_value, as_int64.outputs[0], size.outputs[0], lowest, index, k)
+            for i, n in enumerate(nodes):
+                n.name = f"ortlab_guard_{k}_{i}_{n.op_type}"
+                n.metadata_props.update({"ortlab.fx_node": node.name, "ortlab.op": op_name(node),
+                                         "ortlab.module": module_path(node), "ortlab.source": source_line(node)})
+            graph.extend(nodes)
+            result = out.outputs[0]
+            result.name = f"ortlab_guard_{k}"
+            result.dtype, result.shape = ir.DataType.INT64, ir.Shape([3])
+            graph.outputs.append(result)
+            where = f"{op_name(node)} at {module_path(node) or '<root>'}"
+            if source_line(node):
+                where += f", {source_line(node)}"
+            guards.append(IndexGuard(result.name, lowest, error, message, dim, where))
+    return guards
+
+
+_ONNX_INT = {torch.int64: ir.DataType.INT64, torch.int32: ir.DataType.INT32, torch.int16: ir.DataType.INT16,
+             torch.int8: ir.DataType.INT8, torch.uint8: ir.DataType.UINT8}
+
+
+def _clip_for(fx_op: torch.fx.Node, index_value: ir.Value, as_int64: ir.Value, size: ir.Value, lowest: str,
+              index: torch.fx.Node, k: int) -> list[ir.Node]:
+    """Nodes giving ``fx_op``'s own ONNX nodes its index clipped into ``[lowest, size - 1]``."""
+    users = [(use.node, use.idx) for use in list(index_value.uses()) if use.node.meta.get("node") is fx_op]
+    if not users:
+        return []
+    size_s = ir.node("Squeeze", [size])
+    one = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(1, dtype=np.int64), name=f"ortlab_guard_{k}_one")})
+    hi = ir.node("Sub", [size_s.outputs[0], one.outputs[0]])
+    if lowest == "-size":
+        lo = ir.node("Neg", [size_s.outputs[0]])
+    else:
+        lo = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, dtype=np.int64), name=f"ortlab_guard_{k}_zero")})
+    clip = ir.node("Clip", [as_int64, lo.outputs[0], hi.outputs[0]])
+    nodes = [size_s, one, hi, lo, clip]
+    clipped = clip.outputs[0]
+    dtype = index.meta["val"].dtype
+    if dtype != torch.int64:
+        back = ir.node("Cast", [clipped], attributes={"to": _ONNX_INT.get(dtype, ir.DataType.INT64)})
+        nodes.append(back)
+        clipped = back.outputs[0]
+    for user, position in users:
+        user.replace_input_with(position, clipped)
+    return nodes
+
+
+def check(guards: list[IndexGuard], results: list[torch.Tensor]) -> None:
+    """Raise PyTorch's error for the first guard whose indices are out of range.
+
+    Raises:
+        IndexError, RuntimeError: as PyTorch would for the same input.
+    """
+    for guard, result in zip(guards, results):
+        low, high, size = result.tolist()
+        lowest = -size if guard.lowest == "-size" else 0
+        if low >= lowest and high < size:
+            continue
+        index = low if low < lowest else high
+        text = guard.message.format(index=index, dim=guard.dim, size=size)
+        error = IndexError if guard.error == "IndexError" else RuntimeError
+        raise error(f"{text} (ortlab: {guard.where}; PyTorch raises the same error for this input)")

@@ -1,0 +1,131 @@
+"""Out-of-range indices raise PyTorch's own error through ortlab (Note [Index guards]).
+
+ONNX's Gather counts negative indices from the end and onnxruntime refuses indices past
+the end with its own message: without the guards ``nn.Embedding(10, 4)`` returned row 9
+for index -1 and ``F.cross_entropy`` returned a loss for target -1.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ortlab
+
+
+class Loss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc(x), target)
+
+
+class Gathers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.gather(self.w, 1, index), self.w[index[0]]
+
+
+class Selects(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 3))
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        return torch.index_select(self.w, 0, index) * 2
+
+
+CASES: list[tuple[str, Callable[[], nn.Module], Callable[[list], tuple]]] = [
+    ("embedding", lambda: nn.Embedding(10, 4), lambda v: (torch.tensor(v),)),
+    ("cross_entropy", Loss, lambda v: (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), torch.tensor(v))),
+    ("gather", Gathers, lambda v: (torch.tensor(v),)),
+    ("index_select", Selects, lambda v: (torch.tensor(v),)),
+]
+VALID = {"embedding": [1, 2, 9], "cross_entropy": [0, -100, 4], "gather": [[0, 1], [2, 3], [1, 1]],
+         "index_select": [0, 5, 5]}
+INVALID = {
+    "embedding": [[1, 2, -1], [1, 10], [-11]],
+    "cross_entropy": [[0, -1, 2], [0, 5, 1]],
+    "gather": [[[0, -1], [2, 3], [1, 1]], [[0, 1], [2, 4], [1, 1]]],
+    "index_select": [[0, -1, 2], [6, 0, 0]],
+}
+
+
+def _run(module: nn.Module, args: tuple) -> object:
+    out = module(*args)
+    leaves = out if isinstance(out, tuple) else (out,)
+    torch.stack([o.float().sum() for o in leaves]).sum().backward()
+    return out
+
+
+@pytest.mark.parametrize("name, make, inputs", CASES, ids=[c[0] for c in CASES])
+def test_out_of_range_indices_raise_what_pytorch_raises(name, make, inputs):
+    eager = make()
+    om = ortlab.ORTModule(copy.deepcopy(eager), fallback="raise")
+    for values in INVALID[name]:
+        with pytest.raises(Exception) as expected:
+            _run(eager, inputs(values))
+        with pytest.raises(type(expected.value)) as got:
+            _run(om, inputs(values))
+        assert str(expected.value) in str(got.value), (values, str(got.value))
+        assert "ortlab:" in str(got.value) and "onnxruntime" not in str(got.value).lower().split("ortlab:")[0]
+    # Valid indices (negative ones where PyTorch allows them) still match eager, gradients too.
+    out_e, out_o = _run(eager, inputs(VALID[name])), _run(om, inputs(VALID[name]))
+    torch.testing.assert_close(out_o, out_e, rtol=1e-4, atol=1e-5)
+    for p, q in zip(om.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert not om.report.fallbacks
+
+
+def test_advanced_indexing_counts_negative_indices_from_the_end():
+    w = nn.Parameter(torch.randn(5, 3))
+
+    class Index(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = w
+
+        def forward(self, i: torch.Tensor) -> torch.Tensor:
+            return self.w[i] * 3
+
+    om = ortlab.ORTModule(Index())
+    torch.testing.assert_close(om(torch.tensor([-1, 0, -5])), w[torch.tensor([-1, 0, -5])] * 3)
+    with pytest.raises(IndexError, match="index -6 is out of bounds for dimension 0 with size 5"):
+        om(torch.tensor([-6, 0]))
+    with pytest.raises(IndexError, match="index 5 is out of bounds for dimension 0 with size 5"):
+        om(torch.tensor([5, 0]))
+
+
+def test_an_empty_index_is_fine():
+    om = ortlab.ORTModule(nn.Embedding(10, 4))
+    assert om(torch.tensor([], dtype=torch.long)).shape == (0, 4)
+
+
+def test_the_module_stays_usable_after_an_index_error():
+    eager = nn.Embedding(10, 4)
+    om = ortlab.ORTModule(copy.deepcopy(eager))
+    with pytest.raises(IndexError):
+        om(torch.tensor([3, -1])).sum().backward()
+    assert om.weight.grad is None
+    om(torch.tensor([3, 4])).sum().backward()
+    eager(torch.tensor([3, 4])).sum().backward()
+    torch.testing.assert_close(om.weight.grad, eager.weight.grad)
+
+
+def test_guards_survive_the_on_disk_cache(tmp_path):
+    ortlab.ORTModule(nn.Embedding(10, 4), cache_dir=str(tmp_path))(torch.tensor([1]))
+    cached = ortlab.ORTModule(nn.Embedding(10, 4), cache_dir=str(tmp_path))
+    cached(torch.tensor([1]))
+    assert sum(g.cached for c in cached.report.captures for g in c.graphs) >= 1
+    with pytest.raises(IndexError, match="index out of range in self"):
+        cached(torch.tensor([1, -1]))
