@@ -1,10 +1,10 @@
 """Find the smallest set of ops whose fallback to PyTorch removes a divergence; write a repro.
 
 The search is predicate-driven (Polygraphy's ``debug reduce``): the predicate is "with
-these ops in ``fallback_ops`` the step matches eager PyTorch within tolerance".
-:func:`minimize` tries the op of the first diverging node alone, then bisects the
-candidates (keep whichever half still passes), then removes ops one at a time
-(linear), so the result is 1-minimal: dropping any op of it brings the divergence back.
+these ops in ``fallback_ops`` the step matches eager PyTorch within tolerance", and
+:func:`~ortlab.inspect.reduce.minimize` reduces the candidates with it (the op of the
+first diverging node alone, then bisect, then linear), so the result is 1-minimal:
+dropping any op of it brings the divergence back.
 
 :func:`write_repro` leaves a folder with a runnable ``repro.py``: the ONNX model of the
 diverging node's session exactly as onnxruntime ran it, the inputs it received and the
@@ -29,7 +29,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.fx
@@ -37,79 +37,12 @@ from torch import nn
 
 from ortlab.errors import FallbackWarning, OrtlabError
 from ortlab.inspect.compare import ATOL, RTOL, CompareResult, NodeComparison, compare
+from ortlab.inspect.reduce import Trial, minimize
 from ortlab.ortmodule import ORTModule
 
-__all__ = ["Trial", "BisectResult", "minimize", "bisect_fallbacks", "write_repro", "graph_to_dict", "graph_from_dict"]
+__all__ = ["BisectResult", "bisect_fallbacks", "write_repro", "graph_to_dict", "graph_from_dict"]
 
 logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
-
-
-@dataclasses.dataclass(frozen=True)
-class Trial:
-    """One evaluation of the predicate: the ops in PyTorch and whether the step then matched."""
-
-    ops: tuple[str, ...]
-    passed: bool
-    seconds: float
-
-
-def minimize(
-    items: Sequence[T],
-    predicate: Callable[[list[T]], bool],
-    *,
-    hints: Sequence[T] = (),
-    max_trials: int = 64,
-) -> tuple[list[T], list[Trial]]:
-    """A 1-minimal subset of ``items`` for which ``predicate`` holds.
-
-    Assumes ``predicate(items)`` holds and ``predicate([])`` does not (the caller checks
-    both). Each hint is tried alone first; then bisection keeps a half that passes
-    while one does; then a linear pass drops every item the predicate does not need.
-    Results are memoized by subset.
-
-    Raises:
-        OrtlabError: after ``max_trials`` evaluations.
-
-    Example:
-        >>> minimize(list(range(8)), lambda s: 5 in s)[0]
-        [5]
-    """
-    memo: dict[frozenset, bool] = {}
-    trials: list[Trial] = []
-
-    def test(subset: list[T]) -> bool:
-        key = frozenset(subset)
-        if key not in memo:
-            if len(trials) >= max_trials:
-                raise OrtlabError(
-                    f"the reduction gave up after {max_trials} trials (last: {subset}); "
-                    "pass fewer candidates or a larger max_trials."
-                )
-            start = time.perf_counter()
-            memo[key] = bool(predicate(list(subset)))
-            trials.append(Trial(tuple(map(str, subset)), memo[key], time.perf_counter() - start))
-            logger.info("trial %s: %s", list(subset), "passes" if memo[key] else "fails")
-        return memo[key]
-
-    current = list(items)
-    for hint in hints:
-        if hint in current and test([hint]):
-            return [hint], trials
-    while len(current) > 1:  # bisect
-        half = len(current) // 2
-        if test(current[:half]):
-            current = current[:half]
-        elif test(current[half:]):
-            current = current[half:]
-        else:
-            break
-    for item in list(current):  # linear
-        rest = [x for x in current if x != item]
-        if rest and test(rest):
-            current = rest
-    return current, trials
 
 
 # --------------------------------------------------------------------------- the search
