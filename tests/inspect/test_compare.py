@@ -22,9 +22,9 @@ from torch import nn
 import ortlab
 import ortlab.pipeline.part
 from ortlab.inspect import CompareResult, bisect_fallbacks, compare
-from ortlab.inspect.bisect import graph_from_dict, graph_to_dict
 from ortlab.inspect.compare import compare_tensors
 from ortlab.inspect.reduce import minimize
+from ortlab.inspect.repro import graph_from_dict, graph_to_dict
 
 RTOL, ATOL = 1e-4, 1e-5
 
