@@ -1,9 +1,23 @@
-"""A runnable repro of one diverging value, and the FX graph saved with its node names.
+"""A runnable repro of one diverging value: a folder that reproduces it without the session that found it.
 
-:func:`write_repro` leaves a folder with a runnable ``repro.py``: the ONNX model of the
-diverging node's session exactly as onnxruntime ran it, the inputs it received and the
-FX graph with its inputs (saved with their node names, see :func:`graph_to_dict`), so
-the divergence reproduces without the notebook session that found it.
+:func:`write_repro` leaves ``repro.py``, ``model.onnx`` (the diverging node's session
+exactly as onnxruntime ran it) and ``bundle.pt``: the FX graph with its node names
+(:func:`graph_to_dict`), its inputs and the random state it was called with, the
+inputs of the onnxruntime session and the node's inputs as onnxruntime computed them.
+
+``repro.py`` is ``ortlab/inspect/_repro_script.py`` (read with ``importlib.resources``,
+one docstring line replaced by what diverged), a real module rather than a string
+template: ortlab imports its graph reader and its comparison, so the tests run the code
+every repro runs, and linters see it. It imports torch, numpy, onnx, onnxruntime, the
+standard library and ortlab's public API only (see Note [The repro script is a real
+module] there).
+
+``bundle.pt`` holds tensors and plain values only, and the script reads it with
+``torch.load(weights_only=True)``: opening a repro someone sent runs no code from it
+(see Note [What a bundle may run]). The ``--model`` mode needs the user's model itself,
+which only a pickle can carry: it goes to ``model.pt`` with its inputs and options,
+written only when the model's class can be imported by name, and the script unpickles
+it only when asked with ``--model --trust-pickle``, never by default.
 
 Example:
     >>> path = write_repro(compare(model, x), "repro")     # doctest: +SKIP
@@ -12,9 +26,9 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import importlib
+import importlib.resources
 import logging
 import os
 from collections.abc import Sequence
@@ -25,35 +39,66 @@ import torch.fx
 from torch import nn
 
 from ortlab._compat.torch import HigherOrderOperator, OpOverload
-from ortlab.errors import OrtlabError
+from ortlab.errors import InternalError, OrtlabError
+from ortlab.inspect import _repro_script
+from ortlab.inspect._repro_script import TAG
 from ortlab.inspect.compare import CompareResult, NodeComparison
 
 __all__ = ["write_repro", "graph_to_dict", "graph_from_dict"]
 
 logger = logging.getLogger(__name__)
 
+# The line of the script's docstring that each repro replaces with what diverged.
+_SUMMARY_LINE = "(ortlab/inspect/_repro_script.py: write_repro copies this file into each repro folder as repro.py.)"
 
 # ----------------------------------------------------------------------- graph on disk
 
 
-@dataclasses.dataclass(frozen=True)
-class _NodeRef:
-    name: str
+def encode_value(a: Any) -> Any:
+    """``a`` (a node argument, an input) as tensors and plain values ``torch.load(weights_only=True)`` reads.
 
+    FX nodes, dtypes, layouts, memory formats, devices, slices, ``...`` and dicts become
+    tagged dicts (``{"$ortlab": "node", "name": "addmm"}``) that the script's
+    ``decode_value`` turns back.
 
-@dataclasses.dataclass(frozen=True)
-class _TorchAttr:
-    """``torch.contiguous_format``, ``torch.strided``...: these do not pickle."""
+    Raises:
+        OrtlabError: for a value of another type.
 
-    name: str
-
-
-def _encode(a: Any) -> Any:
+    Example:
+        >>> encode_value((torch.float16, [1, None]))
+        ({'$ortlab': 'torch', 'name': 'float16'}, [1, None])
+    """
     if isinstance(a, torch.fx.Node):
-        return _NodeRef(a.name)
-    if isinstance(a, (torch.memory_format, torch.layout)):
-        return _TorchAttr(str(a).removeprefix("torch."))
-    return a
+        return {TAG: "node", "name": a.name}
+    if isinstance(a, torch.Tensor):
+        return a
+    if a is None:
+        return None
+    if isinstance(a, str):
+        return str(a)
+    if isinstance(a, bool):  # before int: bool is an int; numpy scalars and enums become plain numbers
+        return bool(a)
+    for kind in (int, float, complex):
+        if isinstance(a, kind):
+            return kind(a)
+    if isinstance(a, (torch.dtype, torch.layout, torch.memory_format)):
+        return {TAG: "torch", "name": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.device):
+        return {TAG: "device", "name": str(a)}
+    if isinstance(a, slice):
+        return {TAG: "slice", "args": [encode_value(a.start), encode_value(a.stop), encode_value(a.step)]}
+    if a is Ellipsis:
+        return {TAG: "ellipsis"}
+    if isinstance(a, tuple):
+        return tuple(encode_value(v) for v in a)
+    if isinstance(a, list):
+        return [encode_value(v) for v in a]
+    if isinstance(a, dict):
+        return {TAG: "dict", "items": [[encode_value(k), encode_value(v)] for k, v in a.items()]}
+    raise OrtlabError(
+        f"a repro cannot save a value of type {type(a).__module__}.{type(a).__qualname__} ({a!r}); it saves tensors, "
+        "numbers, strings, dtypes, devices and lists, tuples and dicts of them. Reproduce this node by hand."
+    )
 
 
 def _target(node: torch.fx.Node) -> tuple[str, str]:
@@ -61,195 +106,71 @@ def _target(node: torch.fx.Node) -> tuple[str, str]:
     if isinstance(t, str):
         return ("str", t)
     if isinstance(t, OpOverload):
-        return ("op", f"{t.namespace}.{t._opname}.{t._overloadname}")
+        return ("op", f"{t.namespace}.{t.__name__}")
     if isinstance(t, HigherOrderOperator):
         return ("hop", t.__name__)
     return ("py", f"{t.__module__}:{t.__qualname__}")
 
 
-def _resolve(kind: str, name: str) -> Any:
-    if kind == "str":
-        return name
-    if kind == "op":
-        ns, op, overload = name.split(".")
-        return getattr(getattr(getattr(torch.ops, ns), op), overload)
-    if kind == "hop":
-        return getattr(torch.ops.higher_order, name)
-    module, qualname = name.split(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def graph_to_dict(gm: torch.fx.GraphModule) -> dict[str, Any]:
-    """A picklable description of ``gm`` that keeps every node's name.
+    """A description of ``gm`` that keeps every node's name, in tensors and plain values.
 
     ``torch.save(gm)`` re-traces the generated code on load, which renames nodes; the
     names are how a diverging value is found again, so we store the nodes themselves.
+    Graph-valued attributes (higher-order ops' subgraphs) are described the same way.
+    :func:`graph_from_dict` rebuilds it.
 
     Example:
         >>> gm2 = graph_from_dict(graph_to_dict(gm))      # doctest: +SKIP
     """
     nodes = []
-    attrs = {}
+    attrs: dict[str, Any] = {}
     for n in gm.graph.nodes:
-        nodes.append({"op": n.op, "name": n.name, "target": _target(n),
-                      "args": torch.fx.node.map_aggregate(n.args, _encode),
-                      "kwargs": torch.fx.node.map_aggregate(n.kwargs, _encode)})
+        nodes.append({"op": n.op, "name": n.name, "target": _target(n), "args": encode_value(tuple(n.args)),
+                      "kwargs": {str(k): encode_value(v) for k, v in n.kwargs.items()}})
         if n.op == "get_attr":
             value = getattr(gm, str(n.target))
-            attrs[str(n.target)] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.fx.GraphModule):
+                attrs[str(n.target)] = {TAG: "graph", **graph_to_dict(value)}
+            else:
+                attrs[str(n.target)] = value.detach().clone() if isinstance(value, torch.Tensor) else encode_value(value)
     return {"nodes": nodes, "attrs": attrs}
 
 
 def graph_from_dict(data: dict[str, Any]) -> torch.fx.GraphModule:
-    """Rebuild a graph saved by :func:`graph_to_dict` (same node names)."""
-    graph = torch.fx.Graph()
-    root = nn.Module()
-    env: dict[str, torch.fx.Node] = {}
+    """Rebuild a graph saved by :func:`graph_to_dict` (same node names).
 
-    def look(a: Any) -> Any:
-        if isinstance(a, _NodeRef):
-            return env[a.name]
-        return getattr(torch, a.name) if isinstance(a, _TorchAttr) else a
-    for spec in data["nodes"]:
-        target = _resolve(*spec["target"])
-        if spec["op"] == "get_attr":
-            setattr(root, target, data["attrs"][target])
-        args = torch.fx.node.map_aggregate(spec["args"], look)
-        kwargs = torch.fx.node.map_aggregate(spec["kwargs"], look)
-        node = graph.create_node(spec["op"], target, args, kwargs, name=spec["name"])
-        env[spec["name"]] = node
-    return torch.fx.GraphModule(root, graph)
+    The repro script's own reader (``ortlab.inspect._repro_script.graph_from_dict``),
+    with its limits (see Note [What a bundle may run]).
+
+    Raises:
+        OrtlabError: when the description names a target a repro does not run.
+
+    Example:
+        >>> again = graph_from_dict(graph_to_dict(gm))    # doctest: +SKIP
+        >>> [n.name for n in again.graph.nodes] == [n.name for n in gm.graph.nodes]  # doctest: +SKIP
+        True
+    """
+    try:
+        return _repro_script.graph_from_dict(data)
+    except _repro_script.GraphFileError as e:
+        raise OrtlabError(f"the graph cannot be rebuilt: {e}.") from e
 
 
 # ------------------------------------------------------------------------------- repro
 
-_SCRIPT = '''"""Repro written by ortlab.inspect on {date}.
 
-{description}
-
-    python repro.py              onnxruntime (saved model, as it ran) vs PyTorch (saved FX graph)
-    python repro.py --reexport   translate the FX graph again with this ortlab (is it fixed?)
-    python repro.py --model      the whole step again with ortlab.inspect.compare (needs the model's code)
-
-Exits with status 1 while the value diverges.
-"""
-
-import argparse
-import os
-import sys
-
-import numpy as np
-import onnx
-import onnxruntime as ort
-import torch
-
-from ortlab.inspect.repro import graph_from_dict
-from ortlab.inspect.compare import compare_tensors
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-bundle = torch.load(os.path.join(HERE, "bundle.pt"), weights_only=False)
-NODE, RTOL, ATOL = bundle["node"], bundle["rtol"], bundle["atol"]
+def script_text(description: str) -> str:
+    """The text of a ``repro.py`` whose docstring names what diverged."""
+    text = importlib.resources.files("ortlab.inspect").joinpath("_repro_script.py").read_text(encoding="utf-8")
+    if _SUMMARY_LINE not in text:
+        raise InternalError("ortlab/inspect/_repro_script.py lost the docstring line write_repro replaces")
+    safe = description.replace("\\", "\\\\").replace('"""', '\\"\\"\\"')
+    return text.replace(_SUMMARY_LINE, f"Written on {datetime.date.today().isoformat()}: {safe}", 1)
 
 
-def torch_values(gm, inputs):
-    """Every node's value with the graph run in PyTorch."""
-    values = {{}}
-
-    class Record(torch.fx.Interpreter):
-        def run_node(self, n):
-            out = super().run_node(n)
-            values[n.name] = out
-            return out
-
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
-        if bundle["rng"] is not None:  # random ops (dropout) draw what they drew in the step
-            torch.set_rng_state(bundle["rng"])
-        Record(gm).run(*inputs)
-    return values
-
-
-def onnxruntime_value(model_bytes, value_name, inputs, kinds):
-    """``value_name`` as onnxruntime computes it (added as an extra model output)."""
-    model = onnx.load_from_string(model_bytes)
-    del model.graph.output[:]
-    model.graph.output.append(onnx.helper.make_empty_tensor_value_info(value_name))
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    dtypes = {{"int": np.int64, "float": np.float32, "bool": np.bool_}}
-    feed = {{}}
-    for arg, value, kind in zip(session.get_inputs(), inputs, kinds):
-        feed[arg.name] = value.detach().cpu().numpy() if kind == "tensor" else np.array(value, dtype=dtypes[kind])
-    return torch.from_numpy(session.run([value_name], feed)[0])
-
-
-def report(label, actual, expected):
-    s = compare_tensors(actual, expected, rtol=RTOL, atol=ATOL)
-    status = "ok      " if s.allclose else "DIVERGES"
-    print(f"{{status}} {{label}}: max abs {{s.max_abs:.3g}}, max rel {{s.max_rel:.3g}}, "
-          f"{{100 * s.mismatch_fraction:.1f}}% of {{s.numel}} elements out of tolerance (rtol={{RTOL}}, atol={{ATOL}})")
-    return not s.allclose
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--reexport", action="store_true")
-    parser.add_argument("--model", action="store_true")
-    args = parser.parse_args()
-    print(f"node {{NODE}} ({{bundle['op']}}) of {{bundle['graph_name']}} at {{bundle['module'] or '<root>'}}: {{bundle['source']}}")
-    if args.model:
-        if bundle.get("model") is None:
-            sys.exit("the model's class could not be imported when this repro was written; run without --model")
-        sys.path[:0] = bundle["model"]["path"]
-        import ortlab.inspect
-
-        model = torch.load(os.path.join(HERE, "model.pt"), weights_only=False)
-        result = ortlab.inspect.compare(model, *bundle["model"]["inputs"], forward_kwargs=bundle["model"]["kwargs"],
-                                        rtol=RTOL, atol=ATOL, **bundle["model"]["options"])
-        print(result)
-        sys.exit(0 if result.ok else 1)
-    gm = graph_from_dict(bundle["graph"])
-    expected = torch_values(gm, bundle["graph_inputs"])
-    if args.reexport:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-
-        from ortlab.onnx.export import export_graph
-
-        random = sorted({{str(n.target) for n in gm.graph.nodes if "rand" in str(n.target) or "dropout" in str(n.target)}})
-        if random:
-            print(f"note: the graph has random ops ({{', '.join(random)}}); translated to ONNX they draw other numbers")
-        # export_graph types every value from node.meta["val"], as AOTAutograd leaves it.
-        FakeTensorProp(gm, FakeTensorMode(allow_non_fake_inputs=True)).propagate(*bundle["graph_inputs"])
-        exported = export_graph(gm, "repro")
-        data = exported.to_bytes()
-        actual = onnxruntime_value(data, bundle["onnx_value"], bundle["graph_inputs"], exported.input_kinds)
-    else:
-        with open(os.path.join(HERE, "model.onnx"), "rb") as f:
-            data = f.read()
-        actual = onnxruntime_value(data, bundle["onnx_value"], bundle["onnx_inputs"], bundle["onnx_input_kinds"])
-    bad = report("onnxruntime vs PyTorch (same graph, same inputs)", actual, expected[NODE])
-    op_inputs = bundle["op_inputs"]
-    if op_inputs is not None and not args.reexport:
-        # The op alone, on the inputs onnxruntime itself computed: is this op wrong, or its inputs?
-        node = next(n for n in gm.graph.nodes if n.name == NODE)
-        look = lambda a: op_inputs[a.name] if isinstance(a, torch.fx.Node) else a
-        with torch.no_grad():
-            alone = node.target(*torch.fx.node.map_arg(node.args, look), **torch.fx.node.map_arg(node.kwargs, look))
-        report(f"onnxruntime vs PyTorch's {{bundle['op']}} on onnxruntime's own inputs", actual, alone)
-    sys.exit(1 if bad else 0)
-
-
-if __name__ == "__main__":
-    main()
-'''
-
-
-def _model_entry(model: nn.Module | None, inputs: Sequence[Any] | None, kwargs: dict | None, options: dict) -> dict | None:
-    """How ``--model`` finds the model again, or None when its class cannot be imported by name."""
+def _model_entry(model: nn.Module | None, inputs: Sequence[Any] | None) -> dict | None:
+    """How ``--model`` finds the model's code again, or None when its class cannot be imported by name."""
     if model is None or inputs is None:
         return None
     cls = type(model)
@@ -266,7 +187,22 @@ def _model_entry(model: nn.Module | None, inputs: Sequence[Any] | None, kwargs: 
         for _ in range(cls.__module__.count(".") + (1 if file.endswith("__init__.py") else 0)):
             root = os.path.dirname(root)
         path.append(root)
-    return {"path": path, "inputs": list(inputs), "kwargs": kwargs or {}, "options": options}
+    return {"path": path}
+
+
+def _save_model(directory: str, model: nn.Module | None, inputs: Sequence[Any] | None, kwargs: dict | None,
+                options: dict) -> dict | None:
+    """Write ``model.pt`` for ``--model`` (a pickle: see the module docstring); its bundle entry, or None."""
+    entry = _model_entry(model, inputs)
+    if entry is None:
+        return None
+    try:
+        torch.save({"model": model, "inputs": list(inputs or ()), "kwargs": kwargs or {}, "options": options},
+                   os.path.join(directory, "model.pt"))
+    except Exception as e:  # pickling fails on lambdas, open files...: --model is then unavailable
+        logger.info("the model cannot be saved for --model: %s", e)
+        return None
+    return entry
 
 
 def write_repro(
@@ -280,10 +216,9 @@ def write_repro(
 ) -> str:
     """Write a runnable repro of one diverging node; returns the path of ``repro.py``.
 
-    The folder holds ``repro.py``, ``bundle.pt`` (the FX graph with its inputs and the
-    random state it was called with, the inputs of the onnxruntime session and the
-    node's inputs as onnxruntime computed them), ``model.onnx`` (the session's model as onnxruntime ran it) and, when the
-    model's class can be imported by name, ``model.pt`` for ``--model``.
+    The folder holds ``repro.py``, ``bundle.pt`` (read with ``weights_only=True``),
+    ``model.onnx`` and, when the model's class can be imported by name, ``model.pt``
+    for ``--model --trust-pickle`` (see the module docstring).
 
     Args:
         result: a ``compare`` result with intermediates (``keep_values=True``).
@@ -292,7 +227,8 @@ def write_repro(
         model, inputs, forward_kwargs: the compared model and inputs, for ``--model``.
 
     Raises:
-        OrtlabError: when the node has no onnxruntime value to reproduce.
+        OrtlabError: when the node has no onnxruntime value to reproduce, or its graph
+            holds a value a bundle cannot save.
 
     Example:
         >>> path = write_repro(compare(model, x), "repro")     # doctest: +SKIP
@@ -309,7 +245,8 @@ def write_repro(
             f"node {target.node} of {target.graph} has no onnxruntime value to reproduce (status {target.status!r}); "
             "run compare(..., intermediates=True, keep_values=True) and pick a node with status 'ok' or 'diverged'."
         )
-    os.makedirs(directory, exist_ok=True)
+    graph = graph_to_dict(run.graph_module)
+    graph_from_dict(graph)  # a repro that cannot rebuild its graph fails here, not in the user's hands
     fx_node = next(n for n in run.graph_module.graph.nodes if n.name == target.node)
     op_inputs: dict[str, Any] | None = {}
     for arg in fx_node.all_input_nodes:
@@ -319,27 +256,22 @@ def write_repro(
         if value is None:  # computed in PyTorch, or not kept: the op replay is skipped
             op_inputs = None
             break
-        op_inputs[arg.name] = value  # type: ignore[index]
+        op_inputs[arg.name] = encode_value(value)  # type: ignore[index]
+    os.makedirs(directory, exist_ok=True)
     options = {k: v for k, v in result.options.items() if k != "cache_dir"}
-    entry = _model_entry(model, inputs, forward_kwargs, options)
-    if entry is not None:
-        try:
-            torch.save(model, os.path.join(directory, "model.pt"))
-        except Exception as e:  # pickling fails on lambdas, open files...: --model is then unavailable
-            logger.info("the model cannot be saved for --model: %s", e)
-            entry = None
     bundle = {
         "node": target.node, "op": target.op, "module": target.module, "source": target.source,
-        "graph_name": target.graph, "rtol": result.rtol, "atol": result.atol,
-        "graph": graph_to_dict(run.graph_module), "graph_inputs": run.inputs, "rng": run.rng,
-        "onnx_value": part.values[target.node], "onnx_inputs": part.inputs,
-        "onnx_input_kinds": part.exported.input_kinds, "op_inputs": op_inputs, "model": entry,
+        "graph_name": target.graph, "rtol": float(result.rtol), "atol": float(result.atol),
+        "graph": graph, "graph_inputs": encode_value(list(run.inputs)), "rng": run.rng,
+        "onnx_value": part.values[target.node], "onnx_inputs": encode_value(list(part.inputs)),
+        "onnx_input_kinds": list(part.exported.input_kinds), "op_inputs": op_inputs,
+        "model": _save_model(directory, model, inputs, forward_kwargs, options),
     }
     torch.save(bundle, os.path.join(directory, "bundle.pt"))
     with open(os.path.join(directory, "model.onnx"), "wb") as f:
         f.write(part.exported.to_bytes())
     script = os.path.join(directory, "repro.py")
-    with open(script, "w") as f:
-        f.write(_SCRIPT.format(date=datetime.date.today().isoformat(), description=target.describe()))
+    with open(script, "w", encoding="utf-8") as f:
+        f.write(script_text(target.describe()))
     logger.info("wrote a repro of %s to %s", target.node, script)
     return script
