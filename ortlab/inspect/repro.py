@@ -161,7 +161,12 @@ def graph_from_dict(data: dict[str, Any]) -> torch.fx.GraphModule:
 
 
 def script_text(description: str) -> str:
-    """The text of a ``repro.py`` whose docstring names what diverged."""
+    """The text of a ``repro.py`` whose docstring names what diverged.
+
+    Example:
+        >>> "python repro.py --reexport" in script_text("g0.forward gelu (aten.gelu) at mlp.act")
+        True
+    """
     text = importlib.resources.files("ortlab.inspect").joinpath("_repro_script.py").read_text(encoding="utf-8")
     if _SUMMARY_LINE not in text:
         raise InternalError("ortlab/inspect/_repro_script.py lost the docstring line write_repro replaces")
