@@ -113,7 +113,7 @@ def _measure(om: Any, block: Callable[[int], float], steps: int, rounds: int, op
         "overhead": float(np.median(ratios)) - 1.0,
         "monitor_fraction": mon.overhead["fraction"],
         "profiles": len(mon.profiles),
-        "redraw_ms": mon._cost["redraw"] * 1e3,
+        "redraw_ms": mon._schedule.cost["redraw"] * 1e3,
         "steps": mon.steps,
     }
 

@@ -1,7 +1,7 @@
 """What the training monitor records: a :class:`StepLog` of columns, and its JSON file.
 
 The columns are plain lists, and dicts keyed by step index, appended to on the training
-loop's hot path (see Note [Watching the forward without hooks] in ``ortlab.ui.monitor``);
+loop's hot path (see Note [Watching the forward] in ``ortlab.ui._monitor_watch``);
 durations, rows and plots are computed from them when drawing or saving. Nothing here
 draws: ``_monitor_figure`` turns a log into plots.
 """

@@ -2,7 +2,7 @@
 
 plotly is imported only when a figure is built. A redraw sets every trace of the
 figure in one ``batch_update`` from :func:`series` (numpy arrays, at most ``max_points``
-a line: see Note [Staying within the overhead budget] in ``ortlab.ui.monitor``).
+a line: see Note [Staying within the overhead budget] in ``ortlab.ui._monitor_schedule``).
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ from torch import nn
 import ortlab
 import ortlab.pipeline.part
 from ortlab.inspect import CompareResult, bisect_fallbacks, compare
-from ortlab.inspect.bisect import graph_from_dict, graph_to_dict, minimize
 from ortlab.inspect.compare import compare_tensors
+from ortlab.inspect.reduce import minimize
+from ortlab.inspect.repro import graph_from_dict, graph_to_dict
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -154,6 +155,54 @@ def test_graph_round_trip_keeps_node_names():
     torch.testing.assert_close(again(x), fn(x), rtol=0, atol=0)
 
 
+def test_the_repro_script_compares_like_compare_tensors():
+    from ortlab.inspect._repro_script import error_stats
+
+    e = torch.tensor([1.0, 2.0, 0.0, float("nan"), -3.0])
+    cases = [
+        (e + torch.tensor([0.0, 1e-3, 1e-6, 0.0, 0.0]), e),
+        (e, e),
+        (torch.tensor([float("nan")]), torch.tensor([1.0])),
+        (torch.tensor([1, 2, 4]), torch.tensor([1, 2, 3])),
+        (torch.tensor([1.0, 2.0]), torch.tensor([1, 2])),
+        (torch.zeros(2, 3), torch.zeros(3, 2)),
+        (torch.zeros(0), torch.zeros(0)),
+        (torch.tensor([1 + 1j, 2j]), torch.tensor([1 + 1j, 2.001j])),
+    ]
+    for actual, expected in cases:
+        ours, theirs = error_stats(actual, expected, RTOL, ATOL), compare_tensors(actual, expected, rtol=RTOL, atol=ATOL)
+        assert ours == {"max_abs": theirs.max_abs, "max_rel": theirs.max_rel, "mismatched": theirs.mismatched,
+                        "numel": theirs.numel, "allclose": theirs.allclose}, (actual, expected)
+
+
+def test_a_graph_description_names_only_ops_it_may_run():
+    """A bundle from elsewhere is plain data, and the graph it describes cannot call arbitrary functions."""
+    import operator
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(torch.ops.aten.add.Tensor, (x, x), {"alpha": 2})
+    z = graph.call_function(torch.ops.aten.to.dtype, (y, torch.float16))
+    graph.output((graph.call_function(operator.getitem, ((z, slice(None, 2), ...), 0)), {"k": y}))
+    gm = torch.fx.GraphModule(nn.Module(), graph)
+    data = graph_to_dict(gm)
+    again = graph_from_dict(data)
+    x = torch.randn(3)
+    torch.testing.assert_close(again(x)[0], gm(x)[0], rtol=0, atol=0)
+    for target in ("posix:system", "builtins:eval", "_operator:attrgetter", "torch:load"):
+        evil = {**data, "nodes": [dict(n, target=("py", target)) if n["name"] == "getitem" else n for n in data["nodes"]]}
+        with pytest.raises(ortlab.OrtlabError, match="a repro runs only torch ops"):
+            graph_from_dict(evil)
+    evil = {**data, "nodes": [dict(n, op="call_method", target=("str", "__reduce__")) if n["name"] == "getitem" else n
+                              for n in data["nodes"]]}
+    with pytest.raises(ortlab.OrtlabError, match="public methods only"):
+        graph_from_dict(evil)
+    with pytest.raises(ortlab.OrtlabError, match="cannot save a value of type"):
+        graph = torch.fx.Graph()
+        graph.output(graph.call_function(torch.ops.aten.add.Tensor, (graph.placeholder("x"), {1, 2})))
+        graph_to_dict(torch.fx.GraphModule(nn.Module(), graph))
+
+
 # ------------------------------------------------------------------------------- the step
 def test_clean_model_reports_no_divergence():
     model, x, y = make()
@@ -257,6 +306,37 @@ def test_bisect_names_the_op_and_the_repro_reproduces(planted, tmp_path):
                            timeout=120)
     assert again.returncode == 0, again.stdout + again.stderr
     assert "ok       onnxruntime vs PyTorch" in again.stdout
+    # The bundle is plain data: it loads without unpickling code; the model pickle needs an explicit opt-in.
+    bundle = torch.load(tmp_path / "bundle.pt", weights_only=True)
+    assert bundle["node"] == gelu and set(bundle["model"]) == {"path"}  # the model itself is in model.pt
+    assert os.path.exists(tmp_path / "model.pt")
+    refused = subprocess.run([sys.executable, found.repro, "--model"], capture_output=True, text=True, env=env,
+                             timeout=120)
+    assert refused.returncode == 2 and "--trust-pickle" in refused.stderr, refused.stdout + refused.stderr
+    assert_imports_only_public_modules(found.repro)
+
+
+def assert_imports_only_public_modules(path: str) -> None:
+    """The repro imports torch, numpy, onnx, onnxruntime, the standard library and ortlab's public API only."""
+    import ast
+
+    tree = ast.parse(open(path, encoding="utf-8").read())
+    allowed = {"torch", "numpy", "onnx", "onnxruntime", "ortlab"} | set(sys.stdlib_module_names)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0 and node.module, ast.unparse(node)
+            names = [node.module]
+        else:
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "ortlab":
+                assert node.attr in ortlab.__all__, f"ortlab.{node.attr} is not public API"
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            assert top in allowed, ast.unparse(node)
+            assert top != "ortlab" or name == "ortlab", f"{ast.unparse(node)}: only ortlab's public API"
+            assert not any(part.startswith("_") for part in name.split(".")[1:]), f"{ast.unparse(node)}: private"
 
 
 def test_bisect_on_a_clean_model_has_nothing_to_do():

@@ -1,0 +1,226 @@
+"""The monitor's work at step boundaries, kept within its overhead budget.
+
+At a checked boundary (every ``every`` steps, see :attr:`Schedule.next_check`) the
+:class:`Schedule` ends the step's timing, reads memory, opens or closes a profile
+window and redraws the views, each when it is due and fits the budget; it times all of
+it, so the monitor's overhead is measured, not guessed.
+
+Note [Staying within the overhead budget]
+A redraw costs 1-3 ms (numpy arrays, at most ``max_points`` per trace; plain lists
+of 10k points cost 150 ms) and a profile window 7 ms (tiny MLP) to 80 ms (2-layer
+GPT), most of it the profiled steps running ~40% slower (see Note [Sampling the
+profiler in windows] in ``ortlab.inspect.profile``). A tiny MLP's step takes
+0.4 ms: redrawing every 10 steps would double it. So ``every`` is the *shortest*
+interval: the monitor times all it does (redraws, memory readings, profile
+windows, and the profiled steps' extra time over the median step) and starts
+optional work only while it stays under ``budget`` (default 1.5%) of the
+monitored training time, not counting the first step (the capture): a third for
+drawing and readings, two thirds for profiling. Before measuring, it times one
+redraw when the view is built and estimates a window from the step time, so
+short runs do not overshoot. The first window of a model with 25 ms steps thus
+comes after about 10 s of training; ``mon.profile_now()`` takes one at the next
+step whatever the budget. A step's recorded time excludes the monitor's work at
+its boundary, so redraws do not show up as slow steps.
+
+Example:
+    >>> schedule = Schedule(om, log, lambda: len(log.start), every=10, budget=0.015,  # doctest: +SKIP
+    ...                     profile_steps=3, profiling=True, redraw=view.redraw, can_redraw=view.has_view)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ortlab.inspect.memory import sample_memory
+from ortlab.inspect.profile import ProfileWindow
+from ortlab.ui._monitor_data import StepLog
+
+__all__ = ["Schedule"]
+
+_SHARES = {"redraw": 1 / 3, "profile": 2 / 3}  # of the budget; see Schedule.allowed
+
+
+class Schedule:
+    """When the monitor redraws, reads memory and profiles, within its budget; it runs that work too.
+
+    Attributes:
+        log: the recorded steps (windows, memory readings and profiles go there too).
+        every: steps between redraws and memory readings, at least.
+        budget: the fraction of training time the monitor may spend, or None.
+        profile_steps: steps per profile window (one more warms it up).
+        profiling: whether profile windows open (off once nothing runs in onnxruntime).
+        monitor_s: seconds the monitor spent while training.
+        train_s, train_steps: the monitored training time and steps (from the second boundary).
+        cost: seconds a redraw, a profile window and a memory reading take: measured, or first guesses.
+        next_check: :meth:`check` is due when this many steps have started.
+    """
+
+    def __init__(
+        self,
+        module: Any,
+        log: StepLog,
+        steps: Callable[[], int],
+        *,
+        every: int,
+        budget: float | None,
+        profile_steps: int,
+        profiling: bool,
+        redraw: Callable[[], None],
+        can_redraw: Callable[[], bool],
+    ) -> None:
+        self.module, self.log, self._steps = module, log, steps
+        self.every, self.budget, self.profile_steps, self.profiling = every, budget, profile_steps, profiling
+        self._redraw, self._can_redraw = redraw, can_redraw
+        # Budget (see the Note): measured costs, or first guesses.
+        self.monitor_s, self.train_s, self.train_steps = 0.0, 0.0, 0
+        self._mark: float | None = None
+        self._mark_n = 0
+        self.cost = {"redraw": 0.005, "profile": 0.01, "memory": 0.0}
+        self._spent = {"redraw": 0.0, "profile": 0.0}
+        self.next_check = 0
+        self._last = {"redraw": 0, "memory": 0, "window": 0}
+        # Profiling.
+        self._window: ProfileWindow | None = None
+        self._window_start_s = 0.0
+        self._force_profile = False
+
+    def restart(self) -> None:
+        """Watching starts (again): the next boundary only starts the clock."""
+        self._mark = None
+        self.next_check = len(self.log.start) + 1
+
+    def profile_now(self) -> None:
+        """Open a profile window at the next boundary, whatever the budget."""
+        self._force_profile = True
+        self.next_check = min(self.next_check, len(self.log.start))
+
+    def stop_profiling(self) -> None:
+        """Close the window in progress, if any (watching stops)."""
+        if self._window is not None and self._window.active:
+            self._stop_window()
+
+    @property
+    def overhead(self) -> dict[str, float]:
+        """The monitor's seconds, the monitored training seconds, and their ratio."""
+        train = self.train_s
+        return {"monitor_s": self.monitor_s, "train_s": train, "fraction": self.monitor_s / train if train else 0.0}
+
+    def allowed(self, kind: str, share: str | None = None) -> bool:
+        """Whether ``kind`` of work fits in its share of the budget.
+
+        Drawing gets a third and profiling two thirds (a window costs ten times a
+        redraw), so neither starves the other; memory readings and the checks
+        themselves come out of the drawing share.
+
+        Example:
+            >>> schedule.allowed("memory", "redraw")     # doctest: +SKIP
+            True
+        """
+        if self.budget is None:
+            return True
+        share = share or kind
+        return self._spent[share] + self.cost[kind] <= _SHARES[share] * self.budget * self.train_s
+
+    def check(self, now: float) -> float:
+        """Optional work at a step boundary; returns when the next step starts.
+
+        Example:
+            >>> if len(log.start) >= schedule.next_check:      # doctest: +SKIP
+            ...     now = schedule.check(now)
+        """
+        log = self.log
+        n = len(log.start)  # steps started; step n - 1 ends now
+        if self._mark is None:  # first boundary since attach: start the clock
+            self._mark, self._mark_n, self.next_check = now, n, n + self.every
+            self._last = {k: n for k in self._last}
+            return now
+        self.train_s += now - self._mark
+        self.train_steps += n - self._mark_n
+        log.end[n - 1] = now
+        profiling = 0.0  # seconds of this check spent on profile windows
+        window = self._window
+        if window is not None and window.active and n >= log.windows[-1][1]:
+            profiling += self._stop_window()
+        # Memory readings cost ~7 us (RSS, the plan's saved bytes). When that is under 1% of
+        # the steps between readings they are always taken; otherwise when the budget allows,
+        # and at least every 10 * ``every`` steps: the memory curve never stops.
+        since = n - self._last["memory"]
+        step_s = self.train_s / self.train_steps if self.train_steps else 0.0
+        cheap = self.cost["memory"] <= 0.01 * self.every * step_s
+        if since >= self.every and (cheap or since >= 10 * self.every or self.allowed("memory", "redraw")):
+            start = time.perf_counter()
+            reading = sample_memory(self.module).to_dict()
+            reading["step"] = n
+            log.memory.append(reading)
+            self._last["memory"] = n
+            took = time.perf_counter() - start
+            if len(log.memory) > 1:  # the first reading warms up (~120 us); then keep the lowest
+                self.cost["memory"] = min(self.cost["memory"], took) if self.cost["memory"] else took
+        if not log.profiles and self.train_steps:
+            # Before the first window, from the step time: its steps run ~40% slower, and
+            # building the sessions and reading the profile take about a step each
+            # (measured: tiny MLP 7 ms, 2-layer GPT at 21 ms a step 75-85 ms).
+            step_s = self.train_s / self.train_steps
+            self.cost["profile"] = 0.4 * (self.profile_steps + 1) * step_s + 2 * step_s + 0.005
+        if (
+            self.profiling
+            and (window is None or not window.active)
+            and (self._force_profile or (n - self._last["window"] >= self.every and self.allowed("profile")))
+        ):
+            self._force_profile = False
+            profiling += self._start_window(n)
+        if n - self._last["redraw"] >= self.every and self._can_redraw() and self.allowed("redraw"):
+            start = time.perf_counter()
+            self._redraw()
+            self.cost["redraw"] = time.perf_counter() - start
+            self._last["redraw"] = n
+        after = time.perf_counter()
+        self.monitor_s += after - now
+        self._spent["redraw"] += after - now - profiling  # checks and readings count as drawing work
+        self._mark, self._mark_n = after, n
+        self.next_check = n + self.every
+        if self._window is not None and self._window.active:
+            self.next_check = min(self.next_check, log.windows[-1][1])
+        return after
+
+    def _start_window(self, n: int) -> float:
+        """Swap profiling sessions in for the next steps; returns the seconds it took."""
+        start = time.perf_counter()
+        if self._window is None:
+            self._window = ProfileWindow(self.module, skip_runs=1)
+        if self._window.start() == 0:
+            self.profiling = False  # nothing runs in onnxruntime
+        else:
+            self.log.windows.append((n, n + self.profile_steps + 1))  # the first step warms the sessions up
+        self._window_start_s = time.perf_counter() - start
+        self._spent["profile"] += self._window_start_s
+        return self._window_start_s
+
+    def _stop_window(self) -> float:
+        """Swap the original sessions back and keep the profile; returns the seconds it took.
+
+        The profiled steps' extra time over the median step counts as monitor time too.
+        """
+        start = time.perf_counter()
+        log = self.log
+        nodes = self._window.stop() if self._window is not None else []
+        first, end = log.windows[-1]
+        end = min(end, len(log.start))
+        log.windows[-1] = (first, end)
+        self._last["window"] = end
+        if nodes and end - first > 1:
+            log.profiles.append({"step": first + 2, "steps": end - first - 1, "nodes": nodes})
+        dt = log.durations(self._steps())
+        profiled, normal = dt[first:end], np.concatenate([dt[:first], dt[end:]])[-200:]
+        extra = 0.0
+        if len(profiled) and np.isfinite(normal).any():
+            extra = max(float(np.nansum(profiled) - len(profiled) * np.nanmedian(normal)), 0.0)
+        stop_s = time.perf_counter() - start
+        self.monitor_s += extra
+        self._spent["profile"] += stop_s + extra
+        self.cost["profile"] = self._window_start_s + stop_s + extra
+        return stop_s
