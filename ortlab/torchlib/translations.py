@@ -1,5 +1,12 @@
 """ONNX translations ortlab adds to torchlib's registry, each for a real gap.
 
+Maximum and minimum with NaN (``amax``, ``amin``, ``max``/``min`` over all or one dim with
+their indices, ``argmax``, ``argmin``): PyTorch propagates NaN (the result is NaN and
+the index is the first NaN's), onnxruntime's ReduceMax/ArgMax skip it: on
+``[1, nan, -2, .5]`` ``amax`` was 1.0 through onnxruntime. These translations take the
+reduction as torchlib does and replace the result where the reduced values hold a NaN
+(``IsNaN``, one more reduction and a ``Where``; integer tensors keep torchlib's form).
+
 ``index_put(..., accumulate=True)`` (an embedding's backward): torchlib emits
 ``ScatterND(reduction="add")``, which onnxruntime's CPU provider runs in parallel
 and loses updates when indices repeat (gradients off by 10-30 on repeated tokens,
@@ -13,6 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import math
+
+import onnx_ir as ir
 import torch
 from onnxscript import opset18 as op
 
@@ -39,8 +49,86 @@ def index_put_accumulate(self, indices: Sequence, values, accumulate: bool = Fal
     return op.ScatterElements(self, expanded, flat_values, axis=0, reduction="add")
 
 
+# ----------------------------------------------------------------------- NaN in max and min
+def _floating(x) -> bool:  # noqa: ANN001
+    return x.dtype is not None and x.dtype.is_floating_point()
+
+
+def _axes(dim: Sequence[int] | int | None):  # noqa: ANN202
+    if dim is None or (not isinstance(dim, int) and len(dim) == 0):
+        return None  # Reduce* reduce every axis without one
+    return op.Constant(value_ints=[dim] if isinstance(dim, int) else list(dim))
+
+
+def _nan_flags(self):  # noqa: ANN001, ANN202
+    return op.Cast(op.IsNaN(self), to=ir.DataType.INT32)
+
+
+def _with_nan(self, value, axes, keepdim: bool):  # noqa: ANN001, ANN202
+    """``value`` (a max or min of ``self``), NaN where the reduced values hold one."""
+    has_nan = op.Cast(op.ReduceMax(_nan_flags(self), axes, keepdims=keepdim), to=ir.DataType.BOOL)
+    return op.Where(has_nan, op.CastLike(op.Constant(value_float=math.nan), value), value)
+
+
+def _reduce(reduce_op):  # noqa: ANN001, ANN202
+    def reduce(self, dim: Sequence[int] = (), keepdim: bool = False):  # noqa: ANN001, ANN202
+        axes = None if len(self.shape) == 0 else _axes(dim)  # a scalar reduces to itself
+        value = reduce_op(self, axes, keepdims=keepdim)
+        return _with_nan(self, value, axes, keepdim) if _floating(self) else value
+
+    return reduce
+
+
+def _reduce_all(reduce_op):  # noqa: ANN001, ANN202
+    def reduce_all(self):  # noqa: ANN001, ANN202
+        return _reduce(reduce_op)(self, (), False)
+
+    return reduce_all
+
+
+def _arg(arg_op):  # noqa: ANN001, ANN202
+    def arg(self, dim: int | None = None, keepdim: bool = False):  # noqa: ANN001, ANN202
+        scalar = len(self.shape) == 0
+        rank, floating = len(self.shape), _floating(self)
+        if dim is None or scalar:
+            self = op.Reshape(self, op.Constant(value_ints=[-1]))
+        axis = 0 if dim is None or scalar else dim
+        index = arg_op(self, axis=axis, keepdims=keepdim)
+        if floating:  # the first NaN, as PyTorch
+            flags = _nan_flags(self)
+            has_nan = op.Cast(op.ReduceMax(flags, op.Constant(value_ints=[axis]), keepdims=keepdim),
+                              to=ir.DataType.BOOL)
+            index = op.Where(has_nan, op.ArgMax(flags, axis=axis, keepdims=keepdim), index)
+        if scalar:
+            return op.Squeeze(index)
+        if dim is None and keepdim:
+            return op.Reshape(index, op.Constant(value_ints=[1] * rank))
+        return index
+
+    return arg
+
+
+def _with_index(reduce_op, arg_op):  # noqa: ANN001, ANN202
+    def both(self, dim: int, keepdim: bool = False):  # noqa: ANN001, ANN202
+        return _reduce(reduce_op)(self, [dim], keepdim), _arg(arg_op)(self, dim, keepdim)
+
+    return both
+
+
 def register(registry: object) -> None:
     """Add ortlab's translations to a torchlib registry (its custom ones win)."""
     aten = torch.ops.aten
     for target in (aten._unsafe_index_put.default, aten.index_put.default):
         registry.register_op(target, index_put_accumulate)  # type: ignore[attr-defined]
+    nan_aware = {
+        aten.amax.default: _reduce(op.ReduceMax),
+        aten.amin.default: _reduce(op.ReduceMin),
+        aten.max.default: _reduce_all(op.ReduceMax),
+        aten.min.default: _reduce_all(op.ReduceMin),
+        aten.max.dim: _with_index(op.ReduceMax, op.ArgMax),
+        aten.min.dim: _with_index(op.ReduceMin, op.ArgMin),
+        aten.argmax.default: _arg(op.ArgMax),
+        aten.argmin.default: _arg(op.ArgMin),
+    }
+    for target, fn in nan_aware.items():
+        registry.register_op(target, fn)  # type: ignore[attr-defined]
