@@ -5,7 +5,7 @@ running model for a few steps means building a second session from the same mode
 and settings (:func:`profiling_twin`, through the session builder's
 ``SessionSource.rebuild``) and swapping it into the runner between calls
 (``OrtRunner.swap_session``). See Note [Sampling the profiler in windows] in
-``ortlab.inspect.profile`` for why and what it costs, and Note [Unique profile
+``ortlab.inspect.profile_window`` for why and what it costs, and Note [Unique profile
 prefixes] in ``ortlab.runtime.session`` for the file names.
 """
 

@@ -9,7 +9,7 @@ Note [Staying within the overhead budget]
 A redraw costs 1-3 ms (numpy arrays, at most ``max_points`` per trace; plain lists
 of 10k points cost 150 ms) and a profile window 7 ms (tiny MLP) to 80 ms (2-layer
 GPT), most of it the profiled steps running ~40% slower (see Note [Sampling the
-profiler in windows] in ``ortlab.inspect.profile``). A tiny MLP's step takes
+profiler in windows] in ``ortlab.inspect.profile_window``). A tiny MLP's step takes
 0.4 ms: redrawing every 10 steps would double it. So ``every`` is the *shortest*
 interval: the monitor times all it does (redraws, memory readings, profile
 windows, and the profiled steps' extra time over the median step) and starts
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ortlab.inspect.memory import sample_memory
-from ortlab.inspect.profile import ProfileWindow
+from ortlab.inspect.profile_window import ProfileWindow
 from ortlab.ui._monitor_data import StepLog
 
 __all__ = ["Schedule"]

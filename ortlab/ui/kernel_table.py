@@ -12,7 +12,7 @@ model: the exported node names are the FX node names, which depend on the model'
 only, so a node of one is the node of the other; links then open in the lab's view while
 one is open. Kernel names are onnxruntime's (``fused node_addmm``,
 ``node_mm_3/MatmulTransposeFusion/``): the profile reader keeps the exported node's name
-(``ortlab.inspect.profile.onnx_node_name``), and nodes onnxruntime made
+(``ortlab.provenance.onnx_node_of``), and nodes onnxruntime made
 (``node_view_3_new_reshape``) are found through the FX node their provenance names.
 Links lead into the graphs the module runs now: after a re-capture (``reconfigure``)
 a kernel of an earlier profile links to the node of the same name there, which is

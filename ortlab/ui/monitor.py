@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from ortlab.errors import ConfigError, OrtlabError
-from ortlab.inspect.profile import collect_profile
+from ortlab.inspect.profile_window import collect_profile
 from ortlab.ui import _monitor_figure as plots
 from ortlab.ui._monitor_data import FORMAT, StepLog, scalar
 from ortlab.ui._monitor_schedule import Schedule

@@ -23,16 +23,15 @@ from ortlab.inspect.memory import (
 )
 from ortlab.inspect.profile import (
     NodeTime,
-    ProfileWindow,
     aggregate,
     by_module,
     by_op_type,
-    collect_profile,
     count_runs,
     merge,
     parse_profile,
     top_nodes,
 )
+from ortlab.inspect.profile_window import ProfileWindow, collect_profile
 from ortlab.models import TinyMLP, make_batch
 from ortlab.provenance import node_provenance, onnx_node_of
 

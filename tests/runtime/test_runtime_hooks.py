@@ -13,7 +13,7 @@ from torch import nn
 
 import ortlab
 from ortlab.errors import SessionError
-from ortlab.inspect.profile import ProfileWindow
+from ortlab.inspect.profile_window import ProfileWindow
 from ortlab.models import TinyMLP, make_batch
 from ortlab.pipeline import GraphContext, compile_graph
 from ortlab.runtime.observe import GraphObserver
