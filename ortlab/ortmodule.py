@@ -57,6 +57,7 @@ _OWN = (
     "_ortlab_watcher",
     "_ortlab_sinks",
     "_ortlab_device_of",
+    "_ortlab_seen",
 )
 # Note [Process-wide torch settings]
 # Dynamo reads these when it compiles, which can happen on any call; patching them
@@ -186,6 +187,7 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_ortlab_compiled", compiled)
         object.__setattr__(self, "_ortlab_calls", 0)
         object.__setattr__(self, "_ortlab_device_of", None)
+        object.__setattr__(self, "_ortlab_seen", (-1, {}, {}))
 
     def reconfigure(self, **options: Any) -> None:
         """Change engine options (``recompute``, ``fallback_ops``, ``profile``, ...).
@@ -370,8 +372,11 @@ class ORTModule(nn.Module):
     def _ortlab_call(self, args: tuple, kwargs: dict) -> Any:
         self._check_inputs(args, kwargs)
         first = self._ortlab_calls == 0
-        breaks_before = dict(dynamo_counters["graph_break"])
-        skipped_before = dict(dynamo_counters["unimplemented"])
+        # Graph breaks and skipped frames happen only when Dynamo converts a frame, which
+        # its frame counter tells; the per-call cost is two int reads (see _record_dynamo).
+        frames = dynamo_counters["frames"]
+        if frames["total"] != self._ortlab_seen[0]:
+            self._ortlab_snapshot()
         start = time.perf_counter()
         try:
             out = self._ortlab_compiled(*args, **kwargs)
@@ -382,15 +387,23 @@ class ORTModule(nn.Module):
             out = self._capture_failed(e, args, kwargs)
         except TorchDynamoException as e:
             out = self._capture_failed(e, args, kwargs)
-        self._record_graph_breaks(breaks_before, skipped_before)
+        if frames["total"] != self._ortlab_seen[0]:
+            self._record_dynamo()
         object.__setattr__(self, "_ortlab_calls", self._ortlab_calls + 1)
         if first:
             self._ortlab_report.first_call_s = time.perf_counter() - start
             logger.info("%s", self._ortlab_report)
         return out
 
-    def _record_graph_breaks(self, breaks_before: dict, skipped_before: dict) -> None:
+    def _ortlab_snapshot(self) -> None:
+        object.__setattr__(self, "_ortlab_seen", (dynamo_counters["frames"]["total"],
+                                                  dict(dynamo_counters["graph_break"]),
+                                                  dict(dynamo_counters["unimplemented"])))
+
+    def _record_dynamo(self) -> None:
         """Graph breaks and frames Dynamo skipped (it runs them in PyTorch, silently): fallbacks with reasons."""
+        _, breaks_before, skipped_before = self._ortlab_seen
+        self._ortlab_snapshot()
         report = self._ortlab_report
         for reason, count in dynamo_counters["graph_break"].items():
             new = count - breaks_before.get(reason, 0)
