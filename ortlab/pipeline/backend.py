@@ -50,6 +50,16 @@ class OrtlabBackend:
         self.observer = observer
         self.sinks = list(sinks)
 
+    def release(self) -> None:
+        """Free the sessions, models and graphs of every capture (see Note [Releasing a module's sessions])."""
+        for capture in self.report.captures:
+            for graph in capture.graphs:
+                for part in graph.parts:
+                    part.runner.release()
+                graph.parts, graph.graph_module = [], None
+        self.observer = None
+        self.sinks = []
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable:
         start = time.perf_counter()
         index = len(self.report.captures)

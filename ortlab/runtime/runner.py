@@ -102,6 +102,11 @@ class OrtRunner:
                 "(onnxruntime dropped or added inputs)", context=session.get_modelmeta().graph_name
             )
 
+    def release(self) -> None:
+        """Free the session and what it was built from; a later call raises ``SessionError``."""
+        self.session = self._sess = self.session_source = None  # type: ignore[assignment]
+        self._no_data = None  # type: ignore[assignment]
+
     def swap_session(self, session: ort.InferenceSession) -> ort.InferenceSession:
         """Run ``session`` from the next call on; returns the session it replaces.
 
@@ -138,6 +143,11 @@ class OrtRunner:
         return torch.tensor(value, dtype=_SCALAR_DTYPES[kind], device=self.device)
 
     def __call__(self, *args: object) -> list:
+        if self._sess is None:
+            raise SessionError(
+                "this graph's onnxruntime session was released: its ORTModule was reconfigured (or deleted) "
+                "after the forward ran. Run loss.backward() before calling reconfigure()."
+            )
         tensors = [self._as_tensor(a, k) for a, k in zip(args, self.input_kinds)]
         inputs = OrtValueVector()
         inputs.reserve(len(tensors))
