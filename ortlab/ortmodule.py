@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -23,12 +24,14 @@ import torch
 import torch.nn as nn
 
 from ortlab._compat.torch import (
+    FAKE_TENSOR_LOGGER,
     BackendCompilerFailed,
     TorchDynamoException,
     disable_donated_buffers,
     dynamo_counters,
     pytree,
     set_dynamo_config,
+    tensor_version,
 )
 from ortlab._openmp import openmp_note
 from ortlab.config import DebugOptions, Options
@@ -117,6 +120,37 @@ def configure_torch() -> None:
         logger.info("ortlab turned off torch._functorch.config.donated_buffer (see ORTModule docs)")
 
 
+class _QuietFakeTensorErrors(logging.Filter):
+    """Drops the fake-tensor tracebacks torch logs while an ORTModule call traces (see Note [Fake tensor errors]).
+
+    The user gets PyTorch's own error instead (``ORTModule._capture_failed`` reruns the
+    call eagerly); calls outside an ORTModule are not touched.
+    """
+
+    active = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(self.active, "depth", 0)
+
+
+_QUIET = _QuietFakeTensorErrors()
+logging.getLogger(FAKE_TENSOR_LOGGER).addFilter(_QUIET)
+
+
+def _nested_tensor_note(module: nn.Module) -> str | None:
+    """A report line when eager PyTorch's nested-tensor fast path would give other values in eval."""
+    encoders = [n for n, m in module.named_modules() if isinstance(m, nn.TransformerEncoder)
+                and getattr(m, "use_nested_tensor", False)]
+    if not encoders:
+        return None
+    return (
+        f"nn.TransformerEncoder {encoders[0] or '<root>'} uses nested tensors in eager eval: with a "
+        "src_key_padding_mask, eager PyTorch returns 0 at padded positions; through ortlab (as with "
+        "torch.compile) they hold computed values, and unpadded positions match. Build it with "
+        "enable_nested_tensor=False for identical outputs"
+    )
+
+
 def _check_leaf(leaf: object) -> None:
     if isinstance(leaf, np.ndarray):
         raise UnsupportedInputError(
@@ -185,8 +219,8 @@ class ORTModule(nn.Module):
         previous = self.__dict__.get("_ortlab_release")
         if previous is not None:
             previous()
-        note = openmp_note()
-        report = Report(hints=[note] if note else [])
+        hints = [h for h in (openmp_note(), _nested_tensor_note(self._ortlab_module)) if h]
+        report = Report(hints=hints)
         backend = OrtlabBackend(self._ortlab_options, self._ortlab_debug, report, self._ortlab_observer,
                                 self._ortlab_sinks)
         compiled = torch.compile(
@@ -332,17 +366,27 @@ class ORTModule(nn.Module):
         return f"ORTModule({self._ortlab_module!r})"
 
     # --------------------------------------------------------------------- forward
-    def _check_inputs(self, args: tuple, kwargs: dict) -> None:
+    def _check_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, list] | None:
+        """Validate the inputs; returns contiguous replacements when some tensor is not contiguous.
+
+        Note [Non-contiguous inputs]: Dynamo guards on strides, so every new layout of an
+        input (a transposed batch, channels-last) captured and exported the model again (7
+        captures for 8 layouts). onnxruntime reads dense tensors anyway, so such an input is
+        given to the captured graph as a contiguous copy (differentiable, as
+        ``contiguous()`` is), and an in-place change the model makes to it is copied back
+        to the caller's tensor after the call, so the call behaves as eager's.
+        """
         # Fast path, the usual call: plain tensors on the device of the parameter seen last
         # time. It saves ~40 us a call (pytree and parameters()) on a tiny model's step.
         known = self._ortlab_device_of
         if known is not None and not kwargs and known[0]._parameters.get(known[1]) is known[2]:
             device = known[2].device
             for a in args:
-                if type(a) is not torch.Tensor or a.device != device or a.layout != torch.strided:
+                if type(a) is not torch.Tensor or a.device != device or a.layout != torch.strided \
+                        or not a.is_contiguous():
                     break
             else:
-                return
+                return None
         leaves = pytree.tree_leaves((args, kwargs))
         devices = set()
         for leaf in leaves:
@@ -363,6 +407,19 @@ class ORTModule(nn.Module):
                 f"ORTModule got tensors on {names}; inputs and parameters must share one device. "
                 "Move them with module.to(device) and tensor.to(device)."
             )
+        if all(t.is_contiguous() for t in leaves if isinstance(t, torch.Tensor)):
+            return None
+        copies: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+        def dense(t: object) -> object:
+            if not isinstance(t, torch.Tensor) or t.is_contiguous():
+                return t
+            copy = t.contiguous()
+            copies.append((t, copy, tensor_version(copy)))
+            return copy
+
+        args, kwargs = pytree.tree_map(dense, (args, kwargs))
+        return args, kwargs, copies
 
     # Container modules (nn.Sequential, nn.ModuleList) keep indexing and iteration.
     def __len__(self) -> int:
@@ -385,7 +442,15 @@ class ORTModule(nn.Module):
         return self._ortlab_call(args, kwargs)
 
     def _ortlab_call(self, args: tuple, kwargs: dict) -> Any:
-        self._check_inputs(args, kwargs)
+        dense = self._check_inputs(args, kwargs)
+        if dense is not None:  # see Note [Non-contiguous inputs]
+            args, kwargs, copies = dense
+            out = self._ortlab_call(args, kwargs)
+            for original, copy, version in copies:
+                if tensor_version(copy) != version:
+                    with torch.no_grad():
+                        original.copy_(copy)
+            return out
         first = self._ortlab_calls == 0
         # Graph breaks and skipped frames happen only when Dynamo converts a frame, which
         # its frame counter tells; the per-call cost is two int reads (see _record_dynamo).
@@ -393,6 +458,8 @@ class ORTModule(nn.Module):
         if frames["total"] != self._ortlab_seen[0]:
             self._ortlab_snapshot()
         start = time.perf_counter()
+        quiet = _QUIET.active
+        quiet.depth = getattr(quiet, "depth", 0) + 1
         try:
             out = self._ortlab_compiled(*args, **kwargs)
         except BackendCompilerFailed as e:
@@ -402,6 +469,8 @@ class ORTModule(nn.Module):
             out = self._capture_failed(e, args, kwargs)
         except TorchDynamoException as e:
             out = self._capture_failed(e, args, kwargs)
+        finally:
+            quiet.depth -= 1
         if frames["total"] != self._ortlab_seen[0]:
             self._record_dynamo()
         object.__setattr__(self, "_ortlab_calls", self._ortlab_calls + 1)

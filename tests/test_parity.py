@@ -686,3 +686,48 @@ def test_attribute_access_forwarding():
     om.to(torch.float32)
     with pytest.raises(AttributeError):
         om.no_such_attribute  # noqa: B018
+
+
+# ------------------------------------------------------------------------- layouts and layers
+def test_transformer_encoder_layer_dropout_draws_eager_masks():
+    """dropout1 reads nn.MultiheadAttention's transposed output: its mask must fill the same layout."""
+    torch.manual_seed(0)
+    eager, om = twin(nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True))
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(2, 5, 16, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+
+
+def test_new_input_layouts_do_not_recapture_and_mutations_reach_the_caller():
+    eager, om = twin(nn.Sequential(nn.Linear(6, 4), nn.Tanh()))
+    layouts = [torch.randn(5, 6), torch.randn(6, 5).t(), torch.randn(5, 12)[:, ::2], torch.randn(3, 5, 6)[1]]
+    for x in layouts:
+        torch.testing.assert_close(om(x), eager(x), rtol=1e-4, atol=1e-5)
+    assert len(om.report.captures) == 1, om.report
+
+    class Doubles(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2)
+            return x.sum()
+
+    t = torch.randn(4, 3).t()
+    expected = t.clone() * 2
+    ortlab.ORTModule(Doubles())(t)
+    torch.testing.assert_close(t, expected)
+
+
+def test_a_wrong_input_shape_raises_pytorchs_error_without_tracer_noise(caplog):
+    om = ortlab.ORTModule(nn.Linear(4, 4))
+    om(torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        om(torch.randn(2, 5))
+    assert "failed while attempting to run meta" not in caplog.text
+    om(torch.randn(3, 4))  # still usable
+
+
+def test_the_report_says_nested_tensor_encoders_differ_at_padded_positions():
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+    om = ortlab.ORTModule(nn.TransformerEncoder(layer, 2, enable_nested_tensor=True))
+    assert "padded positions" in str(om.report)

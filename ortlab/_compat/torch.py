@@ -56,6 +56,8 @@ __all__ = [
     "add_opset_imports",
     "set_value_type",
     "EXPORTER_LOGGERS",
+    "FAKE_TENSOR_LOGGER",
+    "tensor_version",
 ]
 
 # ----------------------------------------------------------------------------------- op types
@@ -140,10 +142,20 @@ def forward_region(joint: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return {n for n in nodes[: last + 1] if not _partitioners._is_tangent(n) and n.op != "output"}
 
 
+# Note [Fake tensor errors]: when a user's input is wrong (a shape a matmul rejects), Dynamo
+# meets the error while tracing with fake tensors and this logger prints ~20 lines of
+# traceback at ERROR before PyTorch's own error reaches the user (2.1+).
+FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
 # ------------------------------------------------------------------------------- attention
 # Note [Fused attention targets]: Dynamo records ``F.scaled_dot_product_attention`` as
 # either the public function or its C binding ``torch._C._nn.scaled_dot_product_attention``.
 SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention})
+
+def tensor_version(t: torch.Tensor) -> int:
+    """The version counter in-place ops bump (``Tensor._version``, 1.0+; no public spelling)."""
+    return t._version
+
 
 # ----------------------------------------------------------------------------------- DLPack
 # Note [DLPack capsules]: onnxruntime's ``OrtValueVector.to_dlpacks(fn)`` calls ``fn`` on

@@ -62,7 +62,8 @@ def _compile(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphContext,
         check_raise(placed, record.label, ctx.options.fallback)
         builder.reset()
         try:
-            fn = split_graph(gm, placed, builder)
+            random = {name for name, p in placed.items() if p.kind == "random"}
+            fn = split_graph(gm, placed, builder, random)
         except PlacementRetry as retry:
             new = {n: p for n, p in retry.placements.items() if n not in placed}
             if not new:

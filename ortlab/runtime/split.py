@@ -7,6 +7,15 @@ run between them as they are. A graph with nothing placed in PyTorch is one sess
 
 The callables follow AOTAutograd's boxed convention (one list argument, released as
 soon as it is read), so inputs are freed while the graph runs.
+
+Note [Random ops see eager's memory layout]
+A random op (dropout) runs in PyTorch so that it draws eager's random numbers, but
+``native_dropout`` fills its mask in the memory order of its input. onnxruntime returns
+contiguous tensors, where eager's input may be a transposed view (the output of
+``nn.MultiheadAttention`` with ``batch_first=True``): the same numbers then land on
+other elements, and ``nn.TransformerEncoderLayer``'s ``dropout1`` differed from eager by
+0.66. So each tensor a random op reads is given the dimension order it had in eager
+(``node.meta["val"]``) first; a copy only when the order differs.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ortlab._compat.torch import OpOverload
 
-__all__ = ["copy_graph", "split_graph", "boxed"]
+__all__ = ["copy_graph", "split_graph", "boxed", "eager_layout"]
 
 # What turns one FX graph (the whole graph, or one partition) into a callable returning a list.
 PartMaker = Callable[[torch.fx.GraphModule, str], Callable[..., list]]
@@ -86,17 +95,56 @@ def _worth_running(node: torch.fx.Node) -> bool:
     return isinstance(node.target, OpOverload) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
-def split_graph(gm: torch.fx.GraphModule, in_pytorch: Collection[str], make_part: PartMaker) -> Callable:
+def _dim_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """Dimensions from outermost to innermost in memory; None when strides are symbolic or not dense."""
+    try:
+        strides = [int(s) for s in t.stride()]
+        sizes = [int(s) for s in t.shape]
+    except (TypeError, RuntimeError):  # symbolic sizes: not decidable here
+        return None
+    return tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], -sizes[d], d)))
+
+
+def eager_layout(t: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+    """``t`` with its dimensions laid out in memory in ``order`` (outermost first), as in eager."""
+    if _dim_order(t) == order or t.numel() <= 1:
+        return t
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return t.permute(order).contiguous().permute(inverse)
+
+
+def _eager_layouts(gm: torch.fx.GraphModule, nodes: Collection[str]) -> dict[str, dict[int, tuple[int, ...]]]:
+    """For each node of ``nodes``: the eager dimension order of each tensor argument that is not contiguous."""
+    out: dict[str, dict[int, tuple[int, ...]]] = {}
+    for node in gm.graph.nodes:
+        if node.name not in nodes:
+            continue
+        for i, arg in enumerate(node.args):
+            val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and val.dim() > 1:
+                order = _dim_order(val)
+                if order is not None and order != tuple(range(val.dim())):
+                    out.setdefault(node.name, {})[i] = order
+    return out
+
+
+def split_graph(gm: torch.fx.GraphModule, in_pytorch: Collection[str], make_part: PartMaker,
+                random: Collection[str] = ()) -> Callable:
     """A boxed callable running ``gm``: the nodes in ``in_pytorch`` in PyTorch, the rest in parts.
 
     ``make_part(graph, part_name)`` builds each onnxruntime part (``part_name`` is "" for
     the whole graph, ``fused_0``... for partitions). ``gm`` itself is not changed: export
     inserts type-promotion nodes and fusing partitions rewrites the graph, so the work is
-    done on a copy (a retry starts from the graph AOTAutograd gave).
+    done on a copy (a retry starts from the graph AOTAutograd gave). The nodes of
+    ``random`` (random ops, in PyTorch) read their tensors in eager's memory layout
+    (see Note [Random ops see eager's memory layout]).
     """
     gm = copy_graph(gm)
     if not in_pytorch:
         return _boxed_runner(make_part(gm, ""))
+    layouts = _eager_layouts(gm, random)
     partitioner = CapabilityBasedPartitioner(gm, _Support(in_pytorch), allows_single_node_partition=True)
     partitions = partitioner.propose_partitions()
     # Partitions of only getitems/size arithmetic are not worth a session.
@@ -111,5 +159,10 @@ def split_graph(gm: torch.fx.GraphModule, in_pytorch: Collection[str], make_part
                 out.args = ((out.args[0],),)
                 sub.recompile()
             setattr(fused, node.target, _OrtPart(make_part(sub, node.target), single))
+    for node in list(fused.graph.nodes):
+        for i, order in layouts.get(node.name, {}).items():
+            with fused.graph.inserting_before(node):
+                laid_out = fused.graph.call_function(eager_layout, (node.args[i], order))
+            node.update_arg(i, laid_out)
     fused.recompile()
     return boxed(fused.forward)
