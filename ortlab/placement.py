@@ -20,6 +20,7 @@ retries without them. The toggles and ``fallback_ops`` use the same matcher
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -66,6 +67,13 @@ def _accumulating_index_put(node: torch.fx.Node) -> bool:
     return bool(accumulate) and not is_single_index_accumulate(node)
 
 
+def _uses_secondary_outputs(node: torch.fx.Node) -> bool:
+    """Something reads an output after the first (``getitem(node, i)`` with ``i >= 1``)."""
+    return any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users)
+
+
+_EMPTY_STATS = ("torchlib returns an empty placeholder for this attention kernel's logsumexp and other "
+                "statistics, which its backward reads")
 _SCATTER_RACE = "onnxruntime's ScatterND(reduction=add) races on repeated indices (wrong, non-deterministic sums)"
 
 # Translations that exist but give wrong results in onnxruntime: (op, predicate, reason).
@@ -73,9 +81,18 @@ _SCATTER_RACE = "onnxruntime's ScatterND(reduction=add) races on repeated indice
 # repeat: we measured grads off by 10-30 on repeated tokens, different on every run.
 # The embedding form has our own exact translation (ortlab/torchlib/translations.py);
 # the others stay in PyTorch.
+# Fused attention kernels: torchlib fills their secondary outputs with empty
+# placeholders (``_aten__scaled_dot_product_flash_attention_fillin_empty_outputs``);
+# a backward reading them in PyTorch computed gradients wrong by hundreds. The CPU
+# kernel is traced as math (ortlab.capture.decompositions); should one reach export,
+# it runs in PyTorch whole.
 KNOWN_WRONG: tuple[tuple[str, Callable[[torch.fx.Node], bool], str], ...] = (
     ("aten._unsafe_index_put", _accumulating_index_put, _SCATTER_RACE),
     ("aten.index_put", _accumulating_index_put, _SCATTER_RACE),
+    ("aten._scaled_dot_product_flash_attention_for_cpu", _uses_secondary_outputs, _EMPTY_STATS),
+    ("aten._scaled_dot_product_flash_attention", _uses_secondary_outputs, _EMPTY_STATS),
+    ("aten._scaled_dot_product_efficient_attention", _uses_secondary_outputs, _EMPTY_STATS),
+    ("aten._scaled_dot_product_cudnn_attention", _uses_secondary_outputs, _EMPTY_STATS),
 )
 
 

@@ -731,3 +731,26 @@ def test_the_report_says_nested_tensor_encoders_differ_at_padded_positions():
     layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
     om = ortlab.ORTModule(nn.TransformerEncoder(layer, 2, enable_nested_tensor=True))
     assert "padded positions" in str(om.report)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_multihead_attention_gradients_match(causal):
+    """nn.MultiheadAttention reaches CPU flash attention below Dynamo; torchlib left its logsumexp
+    empty and the in-projection's gradients were wrong by hundreds (silently)."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.mha = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            mask = nn.Transformer.generate_square_subsequent_mask(x.size(1)) if causal else None
+            return self.mha(x, x, x, need_weights=False, attn_mask=mask, is_causal=causal)[0]
+
+    eager, om = twin(Attention())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(2, 5, 8, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)

@@ -13,6 +13,14 @@ ops torchlib translates directly) and change it in three places, each a real gap
 * ``nll_loss_forward``/``nll_loss_backward``: torchlib's backward ignores
   ``total_weight`` (gradients came out ``B*T`` times too large in our spike), so we
   use torch's decompositions instead.
+* fused attention reached below Dynamo (``nn.MultiheadAttention`` calls it from
+  ``F.multi_head_attention_forward``, which Dynamo keeps as one call, so the rewrite
+  above never sees it): on CPU, AOTAutograd records
+  ``_scaled_dot_product_flash_attention_for_cpu``, whose ``logsumexp`` output torchlib
+  fills with an empty placeholder. Its backward ran in PyTorch on that placeholder and
+  the in-projection's gradients came out wrong by hundreds (silently).
+  :func:`flash_attention_for_cpu` and :func:`flash_attention_for_cpu_backward` trace
+  both halves as math, with the real ``logsumexp``.
 * float64 ``native_layer_norm``: torchlib's LayerNormalization keeps the mean and
   1/std it returns in float32 (``stash_type=1``), so a float64 model's backward got
   float32 saved statistics and onnxruntime refused to run it ("Unexpected input data
@@ -31,7 +39,8 @@ import torch
 from ortlab._compat.torch import OpOverload, aten_decompositions, onnx_friendly_decompositions
 from ortlab.torchlib import overload, translated_ops
 
-__all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64"]
+__all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
+           "flash_attention_for_cpu", "flash_attention_for_cpu_backward"]
 
 aten = torch.ops.aten
 
@@ -64,7 +73,70 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
             table[op] = aten_decompositions[op]
     table[aten.convolution_backward.default] = convolution_backward
     table[aten.native_layer_norm.default] = native_layer_norm_float64
+    table[aten._scaled_dot_product_flash_attention_for_cpu.default] = flash_attention_for_cpu
+    table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = flash_attention_for_cpu_backward
     return table
+
+
+def _attention_scores(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+                      scale: float | None) -> tuple[torch.Tensor, float]:
+    s = scale if scale is not None else 1.0 / math.sqrt(query.size(-1))
+    scores = torch.matmul(query, key.transpose(-2, -1)) * s
+    if is_causal:
+        keep = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return scores, s
+
+
+def flash_attention_for_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> object:
+    """CPU flash attention as math, returning the real ``logsumexp`` (see the module docstring)."""
+    if dropout_p != 0.0 or query.size(1) != key.size(1):
+        return NotImplemented
+    scores, _ = _attention_scores(query, key, attn_mask, is_causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value)
+    # The flash kernel's output is laid out so that permute(2, 0, 1, 3) is contiguous, and
+    # nn.MultiheadAttention views it that way; keep the same layout.
+    out = out.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    return out, lse
+
+
+def flash_attention_for_cpu_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> object:
+    """The backward of :func:`flash_attention_for_cpu`: softmax attention's gradients from ``logsumexp``."""
+    if dropout_p != 0.0 or query.size(1) != key.size(1):
+        return NotImplemented
+    scores, s = _attention_scores(query, key, attn_mask, is_causal, scale)
+    attn = torch.exp(scores - logsumexp.unsqueeze(-1))
+    grad_value = torch.matmul(attn.transpose(-2, -1), grad_out)
+    grad_attn = torch.matmul(grad_out, value.transpose(-2, -1))
+    delta = (grad_out * out).sum(dim=-1, keepdim=True)
+    grad_scores = attn * (grad_attn - delta)
+    grad_query = torch.matmul(grad_scores, key) * s
+    grad_key = torch.matmul(grad_scores.transpose(-2, -1), query) * s
+    return grad_query, grad_key, grad_value
 
 
 def native_layer_norm_float64(
