@@ -44,6 +44,11 @@ _NP_DTYPES = {
 }
 
 _SCALAR_DTYPES = {"int": torch.int64, "float": torch.float32, "bool": torch.bool}
+_ONNX_NP = {f"tensor({name})": dtype for name, dtype in (
+    ("float", np.dtype(np.float32)), ("double", np.dtype(np.float64)), ("float16", np.dtype(np.float16)),
+    ("int64", np.dtype(np.int64)), ("int32", np.dtype(np.int32)), ("int16", np.dtype(np.int16)),
+    ("int8", np.dtype(np.int8)), ("uint8", np.dtype(np.uint8)), ("bool", np.dtype(np.bool_)))}
+_NP_TORCH = {v: k for k, v in _NP_DTYPES.items()}
 
 
 class OrtRunner:
@@ -81,6 +86,7 @@ class OrtRunner:
         self.provenance: dict[str, dict[str, str]] | None = None
         self._sess = session_core(session)
         self.input_names = [i.name for i in session.get_inputs()]
+        self._input_np = [_ONNX_NP.get(i.type) for i in session.get_inputs()]
         self.output_names = [o.name for o in session.get_outputs()]
         self.input_kinds = input_kinds
         self.output_kinds = output_kinds
@@ -106,6 +112,21 @@ class OrtRunner:
         """Free the session and what it was built from; a later call raises ``SessionError``."""
         self.session = self._sess = self.session_source = None  # type: ignore[assignment]
         self._no_data = None  # type: ignore[assignment]
+
+    def _retype(self, tensors: list, np_dtypes: list) -> tuple[list, list]:
+        """Inputs whose dtype differs from the session's: an empty one is remade in the right dtype
+        (PyTorch's dropout returns a float mask for an empty input where the graph says bool);
+        anything else is ortlab's bug, reported with the input's name."""
+        tensors, np_dtypes = list(tensors), list(np_dtypes)
+        for i, (t, have, want) in enumerate(zip(tensors, np_dtypes, self._input_np)):
+            if want is None or have == want:
+                continue
+            if t.numel() == 0 and want in _NP_TORCH:
+                tensors[i], np_dtypes[i] = torch.empty(t.shape, dtype=_NP_TORCH[want], device=t.device), want
+                continue
+            raise InternalError(f"input {self.input_names[i]} is {t.dtype} where the session expects {want}",
+                                context=self.session.get_modelmeta().graph_name)
+        return tensors, np_dtypes
 
     def swap_session(self, session: ort.InferenceSession) -> ort.InferenceSession:
         """Run ``session`` from the next call on; returns the session it replaces.
@@ -155,6 +176,8 @@ class OrtRunner:
             np_dtypes = [_NP_DTYPES[t.dtype] for t in tensors]
         except KeyError:  # bfloat16 & co have no numpy dtype: wrap each through DLPack
             np_dtypes = None
+        if np_dtypes is not None and np_dtypes != self._input_np:
+            tensors, np_dtypes = self._retype(tensors, np_dtypes)
         if np_dtypes is not None:
             inputs.push_back_batch(
                 tensors, [t.data_ptr() or self._no_data_ptr for t in tensors], np_dtypes, [t.shape for t in tensors],
