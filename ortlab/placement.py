@@ -20,6 +20,7 @@ retries without them. The toggles and ``fallback_ops`` use the same matcher
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -76,6 +77,40 @@ _EMPTY_STATS = ("torchlib returns an empty placeholder for this attention kernel
                 "statistics, which its backward reads")
 _SCATTER_RACE = "onnxruntime's ScatterND(reduction=add) races on repeated indices (wrong, non-deterministic sums)"
 
+def _inexact_in_float32(value: object) -> bool:
+    return isinstance(value, float) and not math.isnan(value) and float(torch.tensor(value, dtype=torch.float32)) != value
+
+
+def _float64_with_numbers(node: torch.fx.Node) -> bool:
+    """A float64 result the translation would compute with float32 numbers.
+
+    Numbers float32 holds exactly (``0.0``, ``-inf``, ``0.5``) lose nothing; ``selu``,
+    ``hardsigmoid`` and ``hardswish`` carry constants of their own (1/6, selu's alpha).
+    """
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        val = val[0] if val else None
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.float64:
+        return False
+    name = op_name(node)
+    if name in ("aten.selu", "aten.hardsigmoid", "aten.hardswish"):
+        return True
+    if name in ("aten.add", "aten.sub"):  # exact unless scaled by alpha
+        return _inexact_in_float32(node.kwargs.get("alpha"))
+    return any(_inexact_in_float32(a) for a in (*node.args, *node.kwargs.values()))
+
+
+_FLOAT32_NUMBERS = ("torchlib's ONNX form holds this op's Python numbers in float32 (an ONNX float attribute or "
+                    "a float32 constant): in a float64 model that is an error of about 1e-8")
+# Ops whose translations keep Python numbers in float32 (probed one by one against eager in
+# float64; the others take ``ortlab.torchlib.translations.scalar_tensor``'s exact constants).
+_FLOAT64_INEXACT = (
+    "aten.full", "aten.full_like", "aten.fill", "aten.masked_fill", "aten.pow", "aten.leaky_relu", "aten.elu",
+    "aten.celu", "aten.selu", "aten.hardtanh", "aten.softplus", "aten.hardsigmoid", "aten.hardswish",
+    "aten.threshold", "aten.addcmul", "aten.addcdiv", "aten.lerp", "aten.arange", "aten.linspace", "aten.add",
+    "aten.sub", "aten.rrelu_with_noise",
+)
+
 # Translations that exist but give wrong results in onnxruntime: (op, predicate, reason).
 # ScatterND(reduction="add") on onnxruntime's CPU provider loses updates when indices
 # repeat: we measured grads off by 10-30 on repeated tokens, different on every run.
@@ -93,6 +128,7 @@ KNOWN_WRONG: tuple[tuple[str, Callable[[torch.fx.Node], bool], str], ...] = (
     ("aten._scaled_dot_product_flash_attention", _uses_secondary_outputs, _EMPTY_STATS),
     ("aten._scaled_dot_product_efficient_attention", _uses_secondary_outputs, _EMPTY_STATS),
     ("aten._scaled_dot_product_cudnn_attention", _uses_secondary_outputs, _EMPTY_STATS),
+    *((op, _float64_with_numbers, _FLOAT32_NUMBERS) for op in _FLOAT64_INEXACT),
 )
 
 

@@ -156,6 +156,34 @@ def bypass_output_identities(model: ir.Model) -> int:
     return bypassed
 
 
+_COPIES = ("aten.clone", "aten._to_copy", "aten.copy", "aten.lift_fresh_copy")
+
+
+def _is_copy(node: torch.fx.Node | None) -> bool:
+    return node is not None and node.op == "call_function" and op_name(node) in _COPIES
+
+
+_RESHAPES = ("aten.view", "aten._unsafe_view", "aten.reshape")
+
+
+def _resolve_inferred_sizes(gm: torch.fx.GraphModule) -> None:
+    """Write the size a ``view(x, [0, 2, -1])`` infers: ONNX's Reshape cannot infer it from 0 elements.
+
+    GroupNorm's decomposition views ``(N, G, -1)``; with an empty batch onnxruntime
+    failed ("The input tensor cannot be reshaped"). PyTorch knows the result's static
+    size, so the -1 is replaced by it.
+    """
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or op_name(node) not in _RESHAPES or len(node.args) < 2:
+            continue
+        val, size = node.meta.get("val"), node.args[1]
+        if not isinstance(val, torch.Tensor) or not isinstance(size, (list, tuple)) or -1 not in size:
+            continue
+        shape = list(val.shape)
+        if all(isinstance(d, int) for d in shape) and 0 in shape:
+            node.update_arg(1, shape)
+
+
 def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = False) -> ExportedGraph:
     """Translate ``gm`` to ONNX.
 
@@ -176,6 +204,7 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
     start = time.perf_counter()
     registry = get_registry()
     insert_type_promotion_nodes(gm)
+    _resolve_inferred_sizes(gm)
     model = ir.Model(
         graph=ir.Graph([], [], nodes=[], name=name),
         ir_version=ONNX_IR_VERSION,
@@ -206,6 +235,7 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
     output_kinds: list[str | None] = []
     output_dtypes: list[torch.dtype | None] = []
     output_sources: list[tuple[str, int] | None] = []
+    fx_nodes = {n.name: n for n in gm.graph.nodes}
     for i, out in enumerate(_output_nodes(gm)):
         if out is None:
             output_kinds.append(None)
@@ -225,8 +255,11 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
             raise ExportError(f"graph {name!r} output {out.name} is a sequence; expected one value")
         # detach/alias become Identity copies: return what they alias instead (the
         # saved log-softmax and its detach are then one tensor, as in eager).
+        # A clone stays a copy: returning its source would alias what eager returns fresh
+        # (``y = m(x); y.add_(1)`` changed ``x``).
         while (producer := value.producer()) is not None and producer.op_type == "Identity" \
-                and producer.domain in ("", "ai.onnx") and producer.inputs[0] is not None:
+                and producer.domain in ("", "ai.onnx") and producer.inputs[0] is not None \
+                and not _is_copy(fx_nodes.get(value.name)):
             value = producer.inputs[0]
         # Inputs returned as they are (AOTAutograd saves parameters for the backward
         # this way) and repeated outputs never cross into onnxruntime: an Identity
@@ -249,6 +282,16 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
         graph.outputs.append(value)
 
     guards = add_index_guards(gm, graph, values) if guard_indices else []
+    if not graph.outputs:
+        # Every output is an input passed through (dropout in eval, a backward that
+        # returns the incoming gradient). onnxruntime refuses a graph without outputs,
+        # so it computes one int64 zero that the runner never reads.
+        zero = ir.Node("", "Constant", inputs=[], name="no_outputs",
+                       attributes=[ir.AttrTensor("value", ir.tensor(0, dtype=ir.DataType.INT64))])
+        graph.append(zero)
+        zero.outputs[0].name = "ortlab_no_outputs"
+        zero.outputs[0].dtype, zero.outputs[0].shape = ir.DataType.INT64, ir.Shape([])
+        graph.outputs.append(zero.outputs[0])
 
     # torchlib's shape guesses for intermediate values can be wrong with symbolic
     # sizes (onnxruntime then warns on every run); let onnxruntime infer them.
