@@ -121,14 +121,14 @@ class ModulePicker:
 
     def _repr_html_(self) -> str:
         rows = "".join(
-            f"<tr><td><code>{html.escape(m or '<root>')}</code></td><td style='text-align:right'>{n}</td></tr>"
+            f"<tr><td><code>{html.escape(m or '<root>')}</code></td><td style='text-align:right'>{html.escape(str(n))}</td></tr>"
             for m, n in list(self.counts.items())[:40]
         )
         example = next((m for m in self.counts if m not in ("", "?")), "")
         return (
             f"<div style='font:12px sans-serif'><p><b>{html.escape(os.path.basename(self.path))}</b> has "
             f"{self.nodes} nodes (netron lays out more than {self.max_nodes} slowly). View one module: "
-            f"<code>{html.escape(self.call)}(module={example!r})</code>, or all of it with "
+            f"<code>{html.escape(f'{self.call}(module={example!r})')}</code>, or all of it with "
             f"<code>force=True</code>.</p><table><tr><th>module</th><th>nodes</th></tr>{rows}</table></div>"
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import html
 import json
 import os
 import re
@@ -252,6 +253,21 @@ def test_large_graph_views_one_module(server, saved):
     assert len(onnx.load(view_file(str(saved), max_nodes=3, force=True, server=server).path).graph.node) == 5
     head = view_file(str(saved), module="head", server=server)
     assert [n.name for n in onnx.load(head.path).graph.node] == ["node_neg"]
+
+
+def test_module_picker_escapes_module_names_from_the_file(server, tmp_path):
+    evil = "<script>alert(1)</script>\"'><img src=x onerror=alert(2)>"
+    model = _layered_model()
+    for node in model.graph.node:
+        for prop in node.metadata_props:
+            if prop.key == "ortlab.module":
+                prop.value = evil
+    path = tmp_path / "net_forward_exported_train.onnx"
+    onnx.save(model, str(path))
+    picker = view_file(str(path), max_nodes=3, server=server)
+    page = picker._repr_html_()
+    assert isinstance(picker, ModulePicker) and "<script" not in page and "<img" not in page
+    assert html.escape(f"view(module={evil!r})") in page
 
 
 def test_default_server_is_shared_and_stoppable(saved):
