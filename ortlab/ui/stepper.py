@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ortlab.errors import ConfigError
 from ortlab.inspect.lab import Lab
 from ortlab.inspect.lab_stage import Stage
 from ortlab.inspect.views import register_view
@@ -51,9 +52,11 @@ def _diff_html(stage: Stage) -> str:
     if d is None:
         return ""
     if not d.changed:
-        return f"<p style='font-size:12px'>No change in op counts from <b>{esc(stage.previous)}</b> ({esc(d.after)} ops).</p>"
+        return (f"<p style='font-size:12px'>No change in op counts from <b>{esc(stage.previous)}</b> "
+                f"({esc(d.after)} ops).</p>")
     def chips(ops: dict[str, int], sign: str, color: str) -> str:
-        return " ".join(f"<code style='color:{color}'>{esc(op)} {sign}{esc(n)}</code>" for op, n in list(ops.items())[:12])
+        return " ".join(f"<code style='color:{color}'>{esc(op)} {sign}{esc(n)}</code>"
+                        for op, n in list(ops.items())[:12])
     parts = [f"<b>{esc(d.before)}</b> &rarr; <b>{esc(d.after)}</b> ops from <b>{esc(stage.previous)}</b>"]
     if d.added:
         parts.append("added " + chips(d.added, "+", "#1a7f37"))
@@ -71,11 +74,20 @@ def _graphs_table(stage: Stage, linker: Linker) -> str:
         counts = stage.graph_op_counts.get(label, {})
         rel = stage.artifacts.get(label, "")
         name = esc(os.path.basename(rel))
-        if rel and stage.kind == "onnx":
-            name = linker.link(name, linker.url(os.path.join(stage.root, rel)))
+        if rel and stage.kind == "onnx" and linker.active:
+            path = _artifact(stage, label)
+            name = linker.link(name, linker.url(path) if path is not None else None)
         rows.append([f"<code>{esc(label)}</code>", esc(sum(counts.values())), name,
                      f"<code>{esc(f'lab[{stage.name!r}].view({label!r})')}</code>" if rel else ""])
     return "<h4 style='margin:8px 0 2px'>Graphs</h4>" + table(["graph", "ops", "file", "open"], rows, 20)
+
+
+def _artifact(stage: Stage, label: str) -> str | None:
+    """The stage's file ``label``; None for one leading out of the lab folder (no link to it)."""
+    try:
+        return stage.artifact(label)
+    except ConfigError:
+        return None
 
 
 def _breaks_table(stage: Stage) -> str:
@@ -155,7 +167,8 @@ def stage_html(stage: Stage) -> str:
         items = "".join(f"<li>{esc(n)}</li>" for n in stage.notes)
         parts.append(f"<ul style='font-size:12px;margin:2px 0'>{items}</ul>")
     if stage.status == "pending":
-        parts.append(f"<p style='font-size:12px'>Not run yet: <code>{esc(f'lab.run({stage.name!r})')}</code>.</p></div>")
+        call = esc(f"lab.run({stage.name!r})")
+        parts.append(f"<p style='font-size:12px'>Not run yet: <code>{call}</code>.</p></div>")
         return "".join(parts)
     parts += [_summary(stage), _diff_html(stage), _breaks_table(stage)]
     if stage.op_counts:
@@ -166,7 +179,8 @@ def stage_html(stage: Stage) -> str:
         parts.append("<details><summary style='font-size:12px'>Timings</summary>"
                      + table(["what", "time"], rows) + "</details>")
     if not linker.active and stage.kind == "onnx" and stage.artifacts:
-        parts.append(f"<p style='font-size:12px;color:#666'>Open a graph with <code>{esc(f'lab[{stage.name!r}].view()')}</code>; "
+        call = esc(f"lab[{stage.name!r}].view()")
+        parts.append(f"<p style='font-size:12px;color:#666'>Open a graph with <code>{call}</code>; "
                      "table rows then link to their nodes.</p>")
     parts.append("</div>")
     return "".join(parts)

@@ -270,6 +270,21 @@ def test_module_picker_escapes_module_names_from_the_file(server, tmp_path):
     assert html.escape(f"view(module={evil!r})") in page
 
 
+def test_views_are_never_written_or_read_outside_the_graphs_folder(server, saved, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    os.symlink(outside, saved.parent / "views")  # views/ leads out of the lab folder
+    with pytest.raises(ConfigError, match="leads outside the graph's folder"):
+        view_file(str(saved), module="head", server=server)
+    assert os.listdir(outside) == []
+    # A reference model next to an optimized one that is a link out of the folder is not read.
+    optimized = saved.parent / "net_forward_ort_all_train.onnx"
+    onnx.save(_layered_model(), str(optimized))
+    onnx.save(_layered_model(), str(outside / "elsewhere.onnx"))
+    os.symlink(outside / "elsewhere.onnx", saved.parent / "net_forward_onnxscript_train.onnx")
+    os.remove(saved)
+    assert netron_view._reference_path(str(optimized)) is None
+
+
 def test_default_server_is_shared_and_stoppable(saved):
     s1 = netron_view.default_server()
     try:

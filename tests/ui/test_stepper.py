@@ -157,3 +157,36 @@ def test_strings_from_a_lab_file_are_escaped(tmp_path, no_server):
     assert html.escape(EVIL) in pages[0]  # shown, as text
     graphs = stage_html(lab["captured"])
     assert html.escape(f"lab['captured'].view({EVIL!r})") in graphs  # the call to open the graph, as text
+
+
+def test_table_links_never_serve_a_file_outside_the_lab(tmp_path, no_server):
+    import json
+    import os
+
+    import onnx
+    import onnx.helper as oh
+
+    from ortlab.inspect.lab import Lab
+
+    graph = oh.make_graph([oh.make_node("Relu", ["x"], ["y"], name="node_relu")], "g",
+                          [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    (tmp_path / "lab").mkdir()
+    onnx.save(model, str(tmp_path / "outside.onnx"))
+    onnx.save(model, str(tmp_path / "lab" / "net_forward_exported_train.onnx"))
+    stage = {"name": "exported", "status": "done", "op_counts": {"Relu": 1},
+             "artifacts": {"g0.forward": "net_forward_exported_train.onnx"},
+             "fallbacks": [{"scope": "op", "where": "g0.forward", "reason": "r", "op": "aten.relu", "values": ["x"]}]}
+    (tmp_path / "lab" / "lab.json").write_text(json.dumps({"format": "ortlab.lab", "version": 1, "stages": [stage]}))
+    lab = Lab.load(str(tmp_path / "lab"))
+    server = netron_view.default_server()
+    assert any(urllib.parse.quote("net_forward_exported_train.onnx") in u for u in _links(stage_html(lab["exported"])))
+    # The graph is swapped for a link out of the lab folder: the table shows it without links.
+    os.remove(tmp_path / "lab" / "net_forward_exported_train.onnx")
+    os.symlink(tmp_path / "outside.onnx", tmp_path / "lab" / "net_forward_exported_train.onnx")
+    for name in list(server.files):
+        server.remove(name)
+    page = stage_html(lab["exported"])
+    assert "net_forward_exported_train.onnx" in page and not _links(page)
+    assert not server.files
