@@ -5,6 +5,19 @@ and only with the server's random key (127.0.0.1 is reachable by every user of a
 machine); the page and netron's static files come from ``ortlab.ui._netron_page``
 (see Note [Why ortlab serves netron itself] there). One shared server per process
 (:func:`default_server`) serves every graph view; it stops at exit.
+
+Note [What the netron server answers]
+The server is on 127.0.0.1, but a web page the user opens elsewhere can still reach
+it, and other users of the machine can connect to it, so besides the key:
+
+* DNS rebinding: a page at ``http://evil.example:<port>`` whose name the attacker
+  then resolves to 127.0.0.1 talks to the server as its own origin. Its requests
+  carry ``Host: evil.example:<port>``, so the server answers only requests whose
+  ``Host`` is a loopback name (``127.0.0.1``, ``localhost``, ``[::1]``; any port, as
+  an SSH tunnel or VS Code may forward another local port to it) or, when a proxy
+  is configured (:func:`proxy_prefix`), that come through it: the host of a proxy
+  URL, or jupyter-server-proxy's ``X-Forwarded-Prefix`` (``X-Forwarded-Context``,
+  ``X-ProxyContextPath``) naming the proxy's path. Others get 403.
 """
 
 from __future__ import annotations
@@ -39,6 +52,37 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_FORWARDED_PREFIX = ("X-Forwarded-Prefix", "X-Forwarded-Context", "X-ProxyContextPath")
+_HOST = re.compile(r"(\[[0-9a-f:.]+\]|[^:\[\]/@\s]+)(?::\d{1,5})?")  # name (or [IPv6]) and port
+
+
+def host_allowed(headers: Any, port: int, proxy: bool | str | None) -> bool:
+    """Whether a request with these headers may be answered (Note [What the netron server answers]).
+
+    Example:
+        >>> [host_allowed({"Host": h}, 8081, None) for h in ("127.0.0.1:8081", "evil.example:8081")]
+        [True, False]
+    """
+    host = (headers.get("Host") or "").strip().lower()
+    m = _HOST.fullmatch(host)
+    if m is None:
+        return False
+    if m.group(1).strip("[]") in _LOOPBACK:
+        return True
+    try:
+        prefix = proxy_prefix(port, proxy)
+    except ConfigError:  # a template without {port}: no proxy can be recognised
+        return False
+    if prefix is None:
+        return False
+    url = urllib.parse.urlsplit(prefix)
+    if url.netloc and host == url.netloc.lower():
+        return True
+    path = url.path.rstrip("/")
+    return any((headers.get(h) or "").strip().rstrip("/") == path for h in _FORWARDED_PREFIX)
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "ortlab-netron"
 
@@ -48,10 +92,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:  # noqa: N802
         self._answer(send_body=False)
 
+    def _refuse(self, code: int, text: bytes, send_body: bool) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        if send_body:
+            self.wfile.write(text)
+
     def _answer(self, send_body: bool) -> None:
+        owner = self.server.owner  # type: ignore[attr-defined]
+        if not host_allowed(self.headers, self.server.server_address[1], owner.proxy):
+            logger.debug("netron server: refused a request for host %r", self.headers.get("Host"))
+            self._refuse(403, b"forbidden: this server answers requests to 127.0.0.1 or localhost, "
+                              b"or through its proxy", send_body)
+            return
         parsed = urllib.parse.urlparse(self.path)
         path = urllib.parse.unquote(parsed.path)
-        owner = self.server.owner  # type: ignore[attr-defined]
         body, ctype, cache = None, "", "no-store"
         if path in ("/", "/index.html"):
             query = urllib.parse.parse_qs(parsed.query)
@@ -73,12 +130,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             body = static_file(name)
             ctype, cache = STATIC_TYPES.get(os.path.splitext(name)[1], ""), "max-age=3600"
         if body is None:
-            self.send_response(404)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", "9")
-            self.end_headers()
-            if send_body:
-                self.wfile.write(b"not found")
+            self._refuse(404, b"not found", send_body)
             return
         self.send_response(200)
         self.send_header("Content-Type", ctype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import html
+import http.client
 import json
 import os
 import re
@@ -199,6 +200,56 @@ def test_proxy_urls_for_jupyterhub(monkeypatch, server, saved):
     name = server.add(str(saved))
     assert server.url(name).startswith(f"/user/me/proxy/{server.port}/?file=")
     assert server.local_url(name).startswith(f"http://127.0.0.1:{server.port}/?file=")
+
+
+def _status(port: int, path: str, host: str | None, **headers: str) -> int:
+    """The status of a GET of ``path`` sent with this ``Host`` header (None: none at all)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
+        for key, value in ({"Host": host} if host is not None else {}).items() | headers.items():
+            conn.putheader(key.replace("_", "-"), value)
+        conn.endheaders()
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_requests_for_other_hosts_are_refused(server, saved, monkeypatch):
+    """DNS rebinding: a page whose name now resolves to 127.0.0.1 sends its own name as Host."""
+    monkeypatch.delenv("JUPYTERHUB_SERVICE_PREFIX", raising=False)
+    port, name = server.port, server.add(str(saved))
+    data = f"/data/{server.key}/{name}"
+    for path in ("/", data, "/index.js", f"/?file={name}&key={server.key}"):
+        assert _status(port, path, f"127.0.0.1:{port}") == 200, path
+        assert _status(port, path, f"localhost:{port}") == 200, path
+        for host in (f"evil.example:{port}", f"127.0.0.1.evil.example:{port}", "evil.example", f"localhost.:{port}x",
+                     f"127.0.0.1@evil.example:{port}", "", None):
+            assert _status(port, path, host) == 403, (path, host)
+    assert _status(port, data, "LOCALHOST:9000") == 200  # a tunnel from another local port
+    # Behind jupyter-server-proxy: the hub's host, and the proxy's path in X-Forwarded-Prefix.
+    server.proxy = "/user/me/proxy/{port}/"
+    assert _status(port, data, "hub.example", X_Forwarded_Prefix=f"/user/me/proxy/{port}") == 200
+    assert _status(port, data, "hub.example", X_ProxyContextPath=f"/user/me/proxy/{port}/") == 200
+    assert _status(port, data, "hub.example") == 403
+    assert _status(port, data, "hub.example", X_Forwarded_Prefix=f"/user/other/proxy/{port}") == 403
+    server.proxy = "https://hub.example/user/me/proxy/{port}/"
+    assert _status(port, data, "hub.example") == 200 and _status(port, data, "evil.example") == 403
+    server.proxy = None
+    assert _status(port, data, "hub.example", X_Forwarded_Prefix=f"/user/me/proxy/{port}") == 403
+
+
+@pytest.mark.parametrize("path", [
+    "data/{key}/..%2fsecret.txt", "data/{key}/%2e%2e%2fsecret.txt", "data/{key}/..%5csecret.txt",
+    "data/{key}/%252e%252e%252fsecret.txt", "data/{key}/{dir}/secret.txt", "data/{key}/%2F{dir}%2Fsecret.txt",
+    "data/{key}//{dir}/secret.txt", "data/{key}/./{name}/../secret.txt", "data/{key}/{name}/..", "data/{key}/",
+    "data/{key}", "data/{key}/.", "%2e%2e/%2e%2e/etc/passwd", "..%2f..%2fetc%2fpasswd", "/etc/passwd",
+    "data/{key}/{name}%00", "data/{key}/{name}/", "index.js/../../server.py", ".%2fserver.py", "%2fetc%2fpasswd",
+])
+def test_traversal_variants_stay_not_found(server, saved, path):
+    name = server.add(str(saved))
+    url = f"http://127.0.0.1:{server.port}/" + path.format(key=server.key, name=name, dir=str(saved.parent).lstrip("/"))
+    assert _get(url)[0] == 404
 
 
 # --------------------------------------------------------------------------------- subgraphs
