@@ -18,6 +18,9 @@ it, and other users of the machine can connect to it, so besides the key:
   is configured (:func:`proxy_prefix`), that come through it: the host of a proxy
   URL, or jupyter-server-proxy's ``X-Forwarded-Prefix`` (``X-Forwarded-Context``,
   ``X-ProxyContextPath``) naming the proxy's path. Others get 403.
+* Idle connections: each connection's socket times out after ``timeout`` seconds
+  (30) of silence, and at most ``max_connections`` (32) are served at once; more
+  are closed at once, so idle connections cannot pile up threads.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import hashlib
 import hmac
 import http.server
 import logging
+import math
 import os
 import re
 import secrets
@@ -86,6 +90,10 @@ def host_allowed(headers: Any, port: int, proxy: bool | str | None) -> bool:
 class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "ortlab-netron"
 
+    def setup(self) -> None:
+        self.timeout = self.server.owner.timeout  # type: ignore[attr-defined]  # every read and write of the socket
+        super().setup()
+
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         self._answer(send_body=True)
 
@@ -138,16 +146,44 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Cache-Control", cache)
         self.send_header("X-Content-Type-Options", "nosniff")
         self.end_headers()
-        if send_body:
-            self.wfile.write(body)
+        if send_body:  # in parts: the socket's timeout bounds each part, not a large model as a whole
+            view = memoryview(body)
+            for start in range(0, len(view), 1 << 20):
+                self.wfile.write(view[start:start + (1 << 20)])
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
         logger.debug("netron server: " + format, *args)
 
 
 class _HTTPServer(http.server.ThreadingHTTPServer):
+    """One thread per connection, at most ``owner.max_connections`` at once (more are closed)."""
+
     daemon_threads = True
+    request_queue_size = 64  # listen() backlog: a page opens many connections at once
     owner: NetronServer
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            logger.debug("netron server: %d connections open; closing one more from %s",
+                         self.owner.max_connections, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client gone or silent past the timeout mid-answer: a debug line, not a traceback on stderr.
+        logger.debug("netron server: a connection from %s failed", client_address, exc_info=True)
 
 
 _SERVERS: weakref.WeakSet[NetronServer] = weakref.WeakSet()
@@ -184,14 +220,22 @@ class NetronServer:
         host: address to bind (keep the default: the server has no authentication).
         port: 0 picks a free port.
         proxy: how the browser reaches the server, see :func:`proxy_prefix`.
+        timeout: seconds a connection may stay silent before it is closed.
+        max_connections: connections served at once (see Note [What the netron server answers]).
 
     Example:
         >>> with NetronServer() as server:                        # doctest: +SKIP
         ...     url = server.url(server.add("net_forward_exported_train.onnx"))
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, proxy: bool | str | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, proxy: bool | str | None = None,
+                 timeout: float = 30.0, max_connections: int = 32) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds (default 30).")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise ConfigError(f"max_connections={max_connections!r} must be a whole number >= 1 (default 32).")
         self.host, self.proxy = host, proxy
+        self.timeout, self.max_connections = float(timeout), max_connections
         self._port = port
         # 127.0.0.1 is reachable by every user of a shared machine: pages and files need this key.
         self.key = secrets.token_urlsafe(12)
@@ -207,7 +251,7 @@ class NetronServer:
             return self
         netron_dir()  # fail early, with the install hint
         httpd = _HTTPServer((self.host, self._port), _Handler)
-        httpd.owner = self
+        httpd.owner, httpd.slots = self, threading.BoundedSemaphore(self.max_connections)
         self._httpd = httpd
         self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name=f"ortlab-netron-{httpd.server_address[1]}", daemon=True)

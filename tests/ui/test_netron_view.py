@@ -11,6 +11,8 @@ import re
 import shutil
 import socket
 import subprocess
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -250,6 +252,30 @@ def test_traversal_variants_stay_not_found(server, saved, path):
     name = server.add(str(saved))
     url = f"http://127.0.0.1:{server.port}/" + path.format(key=server.key, name=name, dir=str(saved.parent).lstrip("/"))
     assert _get(url)[0] == 404
+
+
+def test_idle_connections_time_out_and_are_bounded():
+    with NetronServer(timeout=1, max_connections=4) as server:
+        port = server.port
+        before, start = threading.active_count(), time.monotonic()
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+        try:
+            idle[-1].settimeout(0.8)
+            assert idle[-1].recv(1) == b""  # past max_connections: closed at once
+            assert threading.active_count() - before <= 4  # 4 served (silent), no thread for the rest
+            for s in idle:
+                assert s.recv(1) == b""  # all closed by the server, the served ones after 1 s of silence
+            assert 0.9 < time.monotonic() - start < 3
+        finally:
+            for s in idle:
+                s.close()
+        assert _get(f"http://127.0.0.1:{port}/")[0] == 200  # the slots are free again
+        time.sleep(0.2)
+        assert threading.active_count() <= before
+    with pytest.raises(ConfigError, match="timeout=0 must be a positive number"):
+        NetronServer(timeout=0)
+    with pytest.raises(ConfigError, match="max_connections=0 must be a whole number >= 1"):
+        NetronServer(max_connections=0)
 
 
 # --------------------------------------------------------------------------------- subgraphs
