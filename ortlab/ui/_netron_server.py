@@ -21,6 +21,10 @@ it, and other users of the machine can connect to it, so besides the key:
 * Idle connections: each connection's socket times out after ``timeout`` seconds
   (30) of silence, and at most ``max_connections`` (32) are served at once; more
   are closed at once, so idle connections cannot pile up threads.
+* Files: a registered file is resolved (:func:`os.path.realpath`) when it is
+  registered; a request is answered only while the name still resolves there, and
+  the file is opened with ``O_NOFOLLOW`` and must be a regular file: a file
+  replaced by a symlink (or a FIFO) after it was registered is not served.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import math
 import os
 import re
 import secrets
+import stat
 import threading
 import urllib.parse
 import weakref
@@ -129,10 +134,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif path == "/" + SETTINGS_SCRIPT:
             body, ctype = SETTINGS_JS.encode("utf-8"), STATIC_TYPES[".js"]
         elif path.startswith(f"/data/{owner.key}/"):
-            file = owner.path_of(path[len(f"/data/{owner.key}/"):])
-            if file is not None and os.path.isfile(file):
-                with open(file, "rb") as f:
-                    body, ctype = f.read(), "application/octet-stream"
+            body, ctype = owner.read(path[len(f"/data/{owner.key}/"):]), "application/octet-stream"
         elif path.count("/") == 1:
             name = path[1:]
             body = static_file(name)
@@ -239,7 +241,7 @@ class NetronServer:
         self._port = port
         # 127.0.0.1 is reachable by every user of a shared machine: pages and files need this key.
         self.key = secrets.token_urlsafe(12)
-        self._files: dict[str, str] = {}
+        self._files: dict[str, tuple[str, str]] = {}  # name -> (path, where it resolved when registered)
         self._lock = threading.Lock()
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -292,7 +294,7 @@ class NetronServer:
         if not os.path.isfile(path):
             raise OrtlabError(f"cannot serve {path}: no such file.")
         with self._lock:
-            for known, p in self._files.items():
+            for known, (p, _) in self._files.items():
                 if p == path:
                     return known
             base = re.sub(r"[^A-Za-z0-9_.-]", "_", name or os.path.basename(path)).lstrip(".") or "model.onnx"
@@ -300,7 +302,7 @@ class NetronServer:
             candidate, k = base, 1
             while candidate in self._files:
                 candidate, k = f"{stem}-{k}{ext}", k + 1
-            self._files[candidate] = path
+            self._files[candidate] = (path, os.path.realpath(path))
             return candidate
 
     def remove(self, name: str) -> None:
@@ -311,17 +313,41 @@ class NetronServer:
         """Stop serving every file under ``folder``."""
         folder = os.path.abspath(folder) + os.sep
         with self._lock:
-            for name in [n for n, p in self._files.items() if p.startswith(folder)]:
+            for name in [n for n, (p, _) in self._files.items() if p.startswith(folder)]:
                 del self._files[name]
 
     def path_of(self, name: str) -> str | None:
         with self._lock:
-            return self._files.get(name)
+            entry = self._files.get(name)
+        return entry[0] if entry is not None else None
+
+    def read(self, name: str) -> bytes | None:
+        """The bytes of the file registered as ``name``; None when there is none, or it no longer
+        resolves where it did when registered, or is not a regular file (Note [What the netron
+        server answers])."""
+        with self._lock:
+            entry = self._files.get(name)
+        if entry is None:
+            return None
+        path, real = entry
+        if os.path.realpath(path) != real:
+            logger.debug("netron server: %s no longer leads to %s; not served", path, real)
+            return None
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+        try:
+            fd = os.open(real, flags)
+        except OSError as e:  # gone, or a symlink now (ELOOP)
+            logger.debug("netron server: cannot open %s: %s", real, e)
+            return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            return f.read()
 
     @property
     def files(self) -> dict[str, str]:
         with self._lock:
-            return dict(self._files)
+            return {name: path for name, (path, _) in self._files.items()}
 
     # ----------------------------------------------------------------------------- URLs
     def _query(self, name: str | None, node: str | None, title: str | None) -> str:

@@ -254,6 +254,35 @@ def test_traversal_variants_stay_not_found(server, saved, path):
     assert _get(url)[0] == 404
 
 
+def test_a_registered_file_swapped_for_a_link_is_not_served(server, saved, tmp_path):
+    name = server.add(str(saved))
+    url = f"http://127.0.0.1:{server.port}/data/{server.key}/{name}"
+    assert _get(url) == (200, saved.read_bytes())
+    original = saved.read_bytes()
+    saved.unlink()
+    saved.symlink_to(tmp_path / "secret.txt")
+    assert _get(url)[0] == 404
+    saved.unlink()
+    os.mkfifo(saved)  # a FIFO would block a reader: refused at once
+    assert _get(url)[0] == 404
+    saved.unlink()
+    saved.write_bytes(original)  # written again where it was: served again
+    assert _get(url) == (200, original)
+    # A folder on the way swapped for a link to another folder with a file of that name.
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "g.onnx").write_bytes(original)
+    name = server.add(str(sub / "g.onnx"))
+    url = f"http://127.0.0.1:{server.port}/data/{server.key}/{name}"
+    assert _get(url)[0] == 200
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "g.onnx").write_text("secret")
+    sub.rename(tmp_path / "sub_was")
+    sub.symlink_to(other)
+    assert _get(url)[0] == 404
+
+
 def test_idle_connections_time_out_and_are_bounded():
     with NetronServer(timeout=1, max_connections=4) as server:
         port = server.port
