@@ -25,6 +25,10 @@ it, and other users of the machine can connect to it, so besides the key:
   registered; a request is answered only while the name still resolves there, and
   the file is opened with ``O_NOFOLLOW`` and must be a regular file: a file
   replaced by a symlink (or a FIFO) after it was registered is not served.
+* Forks: a forked child (``multiprocessing``, a DataLoader worker) drops the
+  servers it inherited (``os.register_at_fork``): it closes its copy of the
+  listening socket, so ``stop()`` in the parent frees the port, and it never
+  answers on the parent's port or with its key.
 """
 
 from __future__ import annotations
@@ -271,6 +275,18 @@ class NetronServer:
         if thread is not None:
             thread.join(timeout=5)
 
+    def _forget_after_fork(self) -> None:
+        """In a forked child: close the inherited listening socket and drop the state (see Note
+        [What the netron server answers]); the parent's server is untouched."""
+        httpd = self._httpd
+        self._httpd = self._thread = None
+        self._lock = threading.Lock()  # another thread of the parent may have held it at the fork
+        if httpd is not None:
+            try:
+                httpd.socket.close()
+            except OSError:
+                pass
+
     @property
     def running(self) -> bool:
         return self._httpd is not None and self._thread is not None and self._thread.is_alive()
@@ -418,6 +434,18 @@ def forget_folder(folder: str) -> None:
 def _stop_all() -> None:
     for server in list(_SERVERS):
         server.stop()
+
+
+def _forget_servers_in_child() -> None:
+    """After a fork, in the child: drop every inherited server (Note [What the netron server answers])."""
+    global _DEFAULT, _DEFAULT_LOCK
+    for server in list(_SERVERS):
+        server._forget_after_fork()
+    _DEFAULT, _DEFAULT_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_servers_in_child)
 
 
 def frame_name(folder: str) -> str:

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 
 import onnx
 import onnx.helper as oh
@@ -185,6 +186,7 @@ def test_server_stops_and_frees_the_port(saved):
     assert not server.running
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    _bind(port)  # the port is free for another server
     with NetronServer() as again:  # context manager: started, then stopped
         assert again.running
     assert not again.running
@@ -202,6 +204,14 @@ def test_proxy_urls_for_jupyterhub(monkeypatch, server, saved):
     name = server.add(str(saved))
     assert server.url(name).startswith(f"/user/me/proxy/{server.port}/?file=")
     assert server.local_url(name).startswith(f"http://127.0.0.1:{server.port}/?file=")
+
+
+def _bind(port: int) -> None:
+    """Listen on ``port`` as a new server would (SO_REUSEADDR: closed connections do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
 
 
 def _status(port: int, path: str, host: str | None, **headers: str) -> int:
@@ -305,6 +315,32 @@ def test_idle_connections_time_out_and_are_bounded():
         NetronServer(timeout=0)
     with pytest.raises(ConfigError, match="max_connections=0 must be a whole number >= 1"):
         NetronServer(max_connections=0)
+
+
+def test_a_forked_child_lets_the_port_go_when_the_parent_stops(saved):
+    server = NetronServer().start()
+    port, name = server.port, server.add(str(saved))
+    report_r, report_w = os.pipe()
+    go_r, go_w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a process with threads
+        pid = os.fork()
+    if pid == 0:  # the child: say what it holds, wait for the parent, leave without cleanup
+        try:
+            os.write(report_w, b"1" if server._httpd is None and not server.running else b"0")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(report_r, 1) == b"1"
+        assert _get(f"http://127.0.0.1:{port}/data/{server.key}/{name}")[0] == 200  # the parent still serves
+        server.stop()
+        _bind(port)  # free, though the child still lives
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
+        for fd in (report_r, report_w, go_r, go_w):
+            os.close(fd)
 
 
 # --------------------------------------------------------------------------------- subgraphs
