@@ -8,7 +8,6 @@ after every step, so a lab folder can always be reopened (:meth:`Lab.load`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -17,7 +16,8 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from ortlab.errors import ConfigError, OrtlabError, first_line
-from ortlab.inspect.lab_stage import FORMAT_VERSION, OpDiff, Stage, _copy, _read_manifest
+from ortlab.inspect._lab_files import check_lab, copy_into, read_manifest, write_json
+from ortlab.inspect.lab_stage import FORMAT_VERSION, OpDiff, Stage
 from ortlab.inspect.views import find_view, view
 from ortlab.stages import LAB_STAGES
 
@@ -167,35 +167,50 @@ class Lab:
                 "stages": [s.to_dict() for s in self.stages]}
 
     def _write_manifest(self) -> None:
-        path = os.path.join(self.folder, MANIFEST)
-        with open(path + ".tmp", "w") as f:
-            json.dump(self._manifest(), f, indent=1)
-        os.replace(path + ".tmp", path)
+        write_json(self.folder, MANIFEST, self._manifest())
 
     def save(self, folder: str) -> str:
         """Copy the lab (every stage's files and ``lab.json``) to ``folder``; returns it.
 
+        Files are written only inside ``folder`` (see Note [Artifact paths stay inside the
+        folder] in ``ortlab.inspect._lab_files``).
+
         Example:
             >>> Lab.load(lab.save("runs/net_lab")).stages[0].op_counts   # doctest: +SKIP
+
+        Raises:
+            ConfigError: an artifact path leads outside the lab folder or ``folder``.
         """
         folder = os.path.abspath(folder)
+        for stage in self.stages:  # every path checked before anything is written
+            for label in stage.artifacts:
+                stage.artifact(label)
         os.makedirs(folder, exist_ok=True)
         for stage in self.stages:
-            for rel in stage.artifacts.values():
-                _copy(os.path.join(self.folder, rel), os.path.join(folder, rel))
-        with open(os.path.join(folder, MANIFEST), "w") as f:
-            json.dump(self._manifest(), f, indent=1)
+            for label, rel in stage.artifacts.items():
+                copy_into(self.folder, folder, rel, f"stage {stage.name!r}, graph {label!r}")
+        write_json(folder, MANIFEST, self._manifest())
         return folder
 
     @classmethod
     def load(cls, folder: str) -> Lab:
         """Reopen a lab folder (saved with :meth:`save`, or a live lab's own folder).
 
+        ``lab.json`` is checked before use: every field of the type ortlab writes, known
+        stage names and statuses, and artifact paths inside the folder (see
+        Note [Artifact paths stay inside the folder] in ``ortlab.inspect._lab_files``).
+
         Example:
             >>> Lab.load("runs/net_lab")["exported"].view()     # doctest: +SKIP
+
+        Raises:
+            ConfigError: ``lab.json`` is missing, not a lab manifest, or has a wrong entry
+                (the message names it).
         """
-        data = _read_manifest(os.path.join(folder, MANIFEST), "ortlab.lab")
-        stages = [Stage.from_dict(s) for s in data["stages"]]
+        path = os.path.join(folder, MANIFEST)
+        data = read_manifest(path, "ortlab.lab")
+        check_lab(data, path)
+        stages = [Stage.from_dict(s, root=folder, where=f"{path}: stages[{i}]") for i, s in enumerate(data["stages"])]
         return cls(folder, driver=None, meta=data.get("meta", {}), stages=stages)
 
     def on_close(self, callback: Callable[[Lab], None]) -> None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from typing import TYPE_CHECKING, Any
 
 from ortlab.errors import ConfigError, OrtlabError
+from ortlab.inspect._lab_files import FORMAT_VERSION, check_stage, copy_into, inside, read_manifest, write_json
+from ortlab.inspect._lab_files import STATUSES  # noqa: F401 (a stage's statuses, named here as before)
 from ortlab.inspect.views import find_view, view
 from ortlab.partition.recompute import SavedActivation
 from ortlab.report import Fallback
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
 __all__ = ["OpDiff", "GraphBreak", "ActivationRow", "FallbackRow", "Stage", "STAGE_MANIFEST", "FORMAT_VERSION"]
 
 STAGE_MANIFEST = "stage.json"
-FORMAT_VERSION = 1
-STATUSES = ("pending", "done", "skipped", "failed")
 _KIND = {spec.name: next(s.kind for s in STAGES if s.name == spec.stages[0]) for spec in LAB_STAGES}
 
 
@@ -180,6 +179,9 @@ class Stage:
     def artifact(self, label: str | None = None) -> str:
         """The absolute path of an artifact: ``label`` exactly, or the first one ending with it.
 
+        The path is checked to lead to a file inside the lab folder (see
+        Note [Artifact paths stay inside the folder] in ``ortlab.inspect._lab_files``).
+
         Example:
             >>> lab["exported"].artifact("g0.backward")     # doctest: +SKIP
             '/tmp/ortlab_lab_x/net_backward_exported_train.onnx'
@@ -187,13 +189,13 @@ class Stage:
         if not self.artifacts:
             raise OrtlabError(f"stage {self.name!r} has no saved files (status: {self.status}).")
         if label is None:
-            return os.path.join(self.root, next(iter(self.artifacts.values())))
-        if label in self.artifacts:
-            return os.path.join(self.root, self.artifacts[label])
-        matches = [k for k in self.artifacts if k.endswith("." + label) or k.startswith(label + ".") or label in k]
-        if not matches:
-            raise ConfigError(f"stage {self.name!r} has no graph {label!r}; valid: {sorted(self.artifacts)}.")
-        return os.path.join(self.root, self.artifacts[matches[0]])
+            label = next(iter(self.artifacts))
+        elif label not in self.artifacts:
+            matches = [k for k in self.artifacts if k.endswith("." + label) or k.startswith(label + ".") or label in k]
+            if not matches:
+                raise ConfigError(f"stage {self.name!r} has no graph {label!r}; valid: {sorted(self.artifacts)}.")
+            label = matches[0]
+        return inside(self.root, self.artifacts[label], f"stage {self.name!r}, graph {label!r}")
 
     @property
     def artifact_path(self) -> str | None:
@@ -209,9 +211,16 @@ class Stage:
         return json.loads(json.dumps(data, default=str))
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], root: str = "") -> Stage:
-        known = {f.name for f in dataclasses.fields(cls)} - {"root", "lab"}
-        kwargs = {k: v for k, v in data.items() if k in known}
+    def from_dict(cls, data: dict[str, Any], root: str = "", where: str = "stage") -> Stage:
+        """The stage a JSON object of :meth:`to_dict` holds, its files in ``root``.
+
+        Raises:
+            ConfigError: a field has the wrong type, the name or status is unknown, or an
+                artifact path leads outside ``root`` (``where`` names the object in the message).
+        """
+        kwargs = check_stage(data, where, _ROW_TYPES)
+        for label, rel in kwargs.get("artifacts", {}).items():
+            inside(root, rel, f"{where}.artifacts[{label!r}]")
         if kwargs.get("diff") is not None:
             kwargs["diff"] = OpDiff(**kwargs["diff"])
         for key, row_type in _ROW_TYPES.items():
@@ -225,11 +234,13 @@ class Stage:
             >>> lab["split"].save("split_stage")              # doctest: +SKIP
             >>> Stage.load("split_stage").activations[0].name  # doctest: +SKIP
         """
+        for label in self.artifacts:  # every path checked before anything is written
+            self.artifact(label)
         os.makedirs(folder, exist_ok=True)
-        for rel in self.artifacts.values():
-            _copy(os.path.join(self.root, rel), os.path.join(folder, rel))
-        with open(os.path.join(folder, STAGE_MANIFEST), "w") as f:
-            json.dump({"format": "ortlab.stage", "version": FORMAT_VERSION, "stage": self.to_dict()}, f, indent=1)
+        for label, rel in self.artifacts.items():
+            copy_into(self.root, folder, rel, f"stage {self.name!r}, graph {label!r}")
+        doc = {"format": "ortlab.stage", "version": FORMAT_VERSION, "stage": self.to_dict()}
+        write_json(folder, STAGE_MANIFEST, doc)
         return folder
 
     @classmethod
@@ -239,8 +250,9 @@ class Stage:
         Example:
             >>> Stage.load("split_stage").op_counts        # doctest: +SKIP
         """
-        data = _read_manifest(os.path.join(folder, STAGE_MANIFEST), "ortlab.stage")
-        return cls.from_dict(data["stage"], root=os.path.abspath(folder))
+        path = os.path.join(folder, STAGE_MANIFEST)
+        data = read_manifest(path, "ortlab.stage")
+        return cls.from_dict(data.get("stage"), root=os.path.abspath(folder), where=f"{path}: stage")
 
     # ------------------------------------------------------------------------- display
     def __str__(self) -> str:
@@ -277,23 +289,3 @@ class Stage:
             >>> lab["exported"].view(node="addmm")      # doctest: +SKIP
         """
         return view("stage_view")(self, graph=graph, node=node, module=module, **kwargs)
-
-
-def _copy(src: str, dst: str) -> None:
-    if os.path.abspath(src) == os.path.abspath(dst):
-        return
-    os.makedirs(os.path.dirname(dst) or ".", exist_ok=True)
-    shutil.copy2(src, dst)
-
-
-def _read_manifest(path: str, kind: str) -> dict[str, Any]:
-    if not os.path.exists(path):
-        raise OrtlabError(f"{path} does not exist: not a folder saved by ortlab ({kind}).")
-    with open(path) as f:
-        data = json.load(f)
-    if data.get("format") != kind or int(data.get("version", 0)) > FORMAT_VERSION:
-        raise OrtlabError(
-            f"{path} is not a {kind} manifest of version <= {FORMAT_VERSION} "
-            f"(found {data.get('format')!r} version {data.get('version')!r}); upgrade ortlab to read it."
-        )
-    return data

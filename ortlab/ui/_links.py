@@ -14,10 +14,10 @@ tables show plain text.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
+from ortlab.errors import ConfigError
 from ortlab.inspect.lab_stage import ActivationRow, FallbackRow, Stage
 from ortlab.inspect.profile import NodeTime
 from ortlab.provenance import onnx_node_index
@@ -142,9 +142,14 @@ class Linker:
 def _stage_files(stage: Stage) -> Files:
     """The exported graphs a stage's rows link into, by label: its lab's ``exported`` stage,
     or the stage's own graphs for an ONNX stage saved and reopened alone."""
-    lab = stage.lab
-    if lab is not None and lab["exported"].status == "done":
-        return [(label, os.path.join(lab.folder, rel)) for label, rel in lab["exported"].artifacts.items()]
-    if stage.kind == "onnx":
-        return [(label, os.path.join(stage.root, rel)) for label, rel in stage.artifacts.items()]
-    return []
+    exported = next((s for s in stage.lab.stages if s.name == "exported"), None) if stage.lab is not None else None
+    source = exported if exported is not None and exported.status == "done" else stage
+    if source.kind != "onnx":
+        return []
+    files = []
+    for label in source.artifacts:
+        try:
+            files.append((label, source.artifact(label)))  # checked to stay inside the lab folder
+        except ConfigError as e:  # a file leading out of the folder gets no link
+            logger.debug("no links into %s: %s", label, e)
+    return files

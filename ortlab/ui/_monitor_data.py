@@ -24,6 +24,16 @@ FORMAT = "ortlab.monitor"
 VERSION = 1
 _ROW_KEYS = {"step", "time_s", "step_s", "batch", "samples_per_s", "loss", "profiled"}
 
+# What a monitor file may hold at most: a file from elsewhere must not make Monitor.load
+# allocate, or loop, without bound (rows are built per step and per recorded name).
+MAX_FILE_BYTES = 1 << 30
+MAX_STEPS = 10_000_000
+MAX_NAMES = 1_000  # distinct names of logged values and memory readings
+MAX_PROFILES = 10_000
+MAX_NODES = 100_000  # kernel records per profile
+_NODE_TEXT = ("graph", "fx_node", "module", "op", "source", "provider")
+_FIX = "The file was not written by Monitor.save, or was changed since; write it again with mon.save(path)."
+
 
 def scalar(value: Any) -> Any:
     """A float now, or a detached CUDA tensor read at the next redraw (no sync per step)."""
@@ -157,8 +167,13 @@ class StepLog:
         }
 
     @classmethod
-    def from_document(cls, doc: dict[str, Any]) -> StepLog:
-        """The log a document of :meth:`to_document` holds (times count from 0)."""
+    def from_document(cls, doc: dict[str, Any], where: str = "monitor file") -> StepLog:
+        """The log a document of :meth:`to_document` holds (times count from 0).
+
+        Raises:
+            ConfigError: the document is not one :meth:`to_document` writes (see :func:`check_document`).
+        """
+        check_document(doc, where)
         log = cls()
         log.t0 = 0.0
         first = None
@@ -181,5 +196,107 @@ class StepLog:
                     log.extra.setdefault(key, {})[i] = value
         if first is not None:
             log.windows.append((first, len(log.start)))
-        log.profiles = [{**p, "nodes": [NodeTime.from_dict(node) for node in p["nodes"]]} for p in doc.get("profiles", [])]
+        log.profiles = [{**p, "nodes": [NodeTime.from_dict(node) for node in p["nodes"]]}
+                        for p in doc.get("profiles", [])]
         return log
+
+
+# ------------------------------------------------------------------------- checking a file
+def _bad(where: str, expected: str, value: Any) -> ConfigError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return ConfigError(f"{where}: expected {expected}, found {shown}. {_FIX}")
+
+
+def _number(value: Any, where: str, minimum: float | None = None) -> None:
+    """A finite number (not a bool) at least ``minimum``, or null."""
+    if value is None:
+        return
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+            or (minimum is not None and value < minimum)):
+        raise _bad(where, "a finite number" + (f" >= {minimum:g}" if minimum is not None else "") + " or null", value)
+
+
+def _whole(value: Any, where: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _bad(where, f"a whole number >= {minimum}", value)
+
+
+def _list(value: Any, where: str, limit: int) -> list:
+    if not isinstance(value, list):
+        raise _bad(where, "a list", value)
+    if len(value) > limit:
+        raise ConfigError(f"{where}: {len(value)} entries, more than a monitor file holds ({limit}). {_FIX}")
+    return value
+
+
+def _object(value: Any, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise _bad(where, "an object (a JSON {...})", value)
+    return value
+
+
+def _check_row(row: Any, where: str, names: set[str]) -> None:
+    _object(row, where)
+    for key, value in row.items():
+        at = f"{where}.{key}"
+        if key == "profiled":
+            if not isinstance(value, bool):
+                raise _bad(at, "true or false", value)
+        elif key == "step":
+            _whole(value, at, 1)
+        elif key == "batch":
+            if value is not None:
+                _whole(value, at, 0)
+        else:
+            _number(value, at)
+            if key not in _ROW_KEYS:
+                names.add(key)
+                if len(names) > MAX_NAMES:
+                    raise ConfigError(f"{where}: more than {MAX_NAMES} names of logged values and memory "
+                                      f"readings. {_FIX}")
+
+
+def _check_node(node: Any, where: str) -> None:
+    _object(node, where)
+    for key in ("node", "op_type"):
+        if not isinstance(node.get(key), str):
+            raise _bad(f"{where}.{key}", "a string", node.get(key))
+    if node.get("dur_us") is None:
+        raise _bad(f"{where}.dur_us", "a finite number >= 0", None)
+    _number(node["dur_us"], f"{where}.dur_us", 0)
+    _whole(node.get("count"), f"{where}.count", 0)
+    for key in _NODE_TEXT:
+        if key in node and not isinstance(node[key], str):
+            raise _bad(f"{where}.{key}", "a string", node[key])
+
+
+def check_document(doc: Any, where: str = "monitor file") -> None:
+    """Raise a ConfigError naming the entry unless ``doc`` is a monitor document as
+    :meth:`StepLog.to_document` writes it: every value of its type, numbers finite or
+    null, and within the ``MAX_*`` limits above.
+
+    Example:
+        >>> check_document({"format": "ortlab.monitor", "version": 1, "steps": [{"loss": 0.5}]})
+    """
+    _object(doc, where)
+    if doc.get("format") != FORMAT:
+        raise ConfigError(f"{where} is not an ortlab monitor file; write one with Monitor.save(path).")
+    version = doc.get("version", VERSION)
+    if isinstance(version, bool) or not isinstance(version, int) or version > VERSION:
+        raise ConfigError(f"{where} is a monitor file of version {version!r}; this ortlab reads version "
+                          f"<= {VERSION}: upgrade ortlab to read it.")
+    if "every" in doc:
+        _whole(doc["every"], f"{where}: every", 1)
+    for key, value in _object(doc.get("overhead", {}), f"{where}: overhead").items():
+        _number(value, f"{where}: overhead.{key}", 0)
+    names: set[str] = set()
+    for i, row in enumerate(_list(doc.get("steps"), f"{where}: steps", MAX_STEPS)):
+        _check_row(row, f"{where}: steps[{i}]", names)
+    for i, profile in enumerate(_list(doc.get("profiles", []), f"{where}: profiles", MAX_PROFILES)):
+        at = f"{where}: profiles[{i}]"
+        _object(profile, at)
+        _whole(profile.get("step"), f"{at}.step", 0)
+        _whole(profile.get("steps"), f"{at}.steps", 1)
+        for j, node in enumerate(_list(profile.get("nodes"), f"{at}.nodes", MAX_NODES)):
+            _check_node(node, f"{at}.nodes[{j}]")

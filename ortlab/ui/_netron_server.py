@@ -5,6 +5,30 @@ and only with the server's random key (127.0.0.1 is reachable by every user of a
 machine); the page and netron's static files come from ``ortlab.ui._netron_page``
 (see Note [Why ortlab serves netron itself] there). One shared server per process
 (:func:`default_server`) serves every graph view; it stops at exit.
+
+Note [What the netron server answers]
+The server is on 127.0.0.1, but a web page the user opens elsewhere can still reach
+it, and other users of the machine can connect to it, so besides the key:
+
+* DNS rebinding: a page at ``http://evil.example:<port>`` whose name the attacker
+  then resolves to 127.0.0.1 talks to the server as its own origin. Its requests
+  carry ``Host: evil.example:<port>``, so the server answers only requests whose
+  ``Host`` is a loopback name (``127.0.0.1``, ``localhost``, ``[::1]``; any port, as
+  an SSH tunnel or VS Code may forward another local port to it) or, when a proxy
+  is configured (:func:`proxy_prefix`), that come through it: the host of a proxy
+  URL, or jupyter-server-proxy's ``X-Forwarded-Prefix`` (``X-Forwarded-Context``,
+  ``X-ProxyContextPath``) naming the proxy's path. Others get 403.
+* Idle connections: each connection's socket times out after ``timeout`` seconds
+  (30) of silence, and at most ``max_connections`` (32) are served at once; more
+  are closed at once, so idle connections cannot pile up threads.
+* Files: a registered file is resolved (:func:`os.path.realpath`) when it is
+  registered; a request is answered only while the name still resolves there, and
+  the file is opened with ``O_NOFOLLOW`` and must be a regular file: a file
+  replaced by a symlink (or a FIFO) after it was registered is not served.
+* Forks: a forked child (``multiprocessing``, a DataLoader worker) drops the
+  servers it inherited (``os.register_at_fork``): it closes its copy of the
+  listening socket, so ``stop()`` in the parent frees the port, and it never
+  answers on the parent's port or with its key.
 """
 
 from __future__ import annotations
@@ -14,9 +38,11 @@ import hashlib
 import hmac
 import http.server
 import logging
+import math
 import os
 import re
 import secrets
+import stat
 import threading
 import urllib.parse
 import weakref
@@ -39,8 +65,43 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+_FORWARDED_PREFIX = ("X-Forwarded-Prefix", "X-Forwarded-Context", "X-ProxyContextPath")
+_HOST = re.compile(r"(\[[0-9a-f:.]+\]|[^:\[\]/@\s]+)(?::\d{1,5})?")  # name (or [IPv6]) and port
+
+
+def host_allowed(headers: Any, port: int, proxy: bool | str | None) -> bool:
+    """Whether a request with these headers may be answered (Note [What the netron server answers]).
+
+    Example:
+        >>> [host_allowed({"Host": h}, 8081, None) for h in ("127.0.0.1:8081", "evil.example:8081")]
+        [True, False]
+    """
+    host = (headers.get("Host") or "").strip().lower()
+    m = _HOST.fullmatch(host)
+    if m is None:
+        return False
+    if m.group(1).strip("[]") in _LOOPBACK:
+        return True
+    try:
+        prefix = proxy_prefix(port, proxy)
+    except ConfigError:  # a template without {port}: no proxy can be recognised
+        return False
+    if prefix is None:
+        return False
+    url = urllib.parse.urlsplit(prefix)
+    if url.netloc and host == url.netloc.lower():
+        return True
+    path = url.path.rstrip("/")
+    return any((headers.get(h) or "").strip().rstrip("/") == path for h in _FORWARDED_PREFIX)
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "ortlab-netron"
+
+    def setup(self) -> None:
+        self.timeout = self.server.owner.timeout  # type: ignore[attr-defined]  # every read and write of the socket
+        super().setup()
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         self._answer(send_body=True)
@@ -48,10 +109,23 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:  # noqa: N802
         self._answer(send_body=False)
 
+    def _refuse(self, code: int, text: bytes, send_body: bool) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(text)))
+        self.end_headers()
+        if send_body:
+            self.wfile.write(text)
+
     def _answer(self, send_body: bool) -> None:
+        owner = self.server.owner  # type: ignore[attr-defined]
+        if not host_allowed(self.headers, self.server.server_address[1], owner.proxy):
+            logger.debug("netron server: refused a request for host %r", self.headers.get("Host"))
+            self._refuse(403, b"forbidden: this server answers requests to 127.0.0.1 or localhost, "
+                              b"or through its proxy", send_body)
+            return
         parsed = urllib.parse.urlparse(self.path)
         path = urllib.parse.unquote(parsed.path)
-        owner = self.server.owner  # type: ignore[attr-defined]
         body, ctype, cache = None, "", "no-store"
         if path in ("/", "/index.html"):
             query = urllib.parse.parse_qs(parsed.query)
@@ -64,21 +138,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         elif path == "/" + SETTINGS_SCRIPT:
             body, ctype = SETTINGS_JS.encode("utf-8"), STATIC_TYPES[".js"]
         elif path.startswith(f"/data/{owner.key}/"):
-            file = owner.path_of(path[len(f"/data/{owner.key}/"):])
-            if file is not None and os.path.isfile(file):
-                with open(file, "rb") as f:
-                    body, ctype = f.read(), "application/octet-stream"
+            body, ctype = owner.read(path[len(f"/data/{owner.key}/"):]), "application/octet-stream"
         elif path.count("/") == 1:
             name = path[1:]
             body = static_file(name)
             ctype, cache = STATIC_TYPES.get(os.path.splitext(name)[1], ""), "max-age=3600"
         if body is None:
-            self.send_response(404)
-            self.send_header("Content-Type", "text/plain")
-            self.send_header("Content-Length", "9")
-            self.end_headers()
-            if send_body:
-                self.wfile.write(b"not found")
+            self._refuse(404, b"not found", send_body)
             return
         self.send_response(200)
         self.send_header("Content-Type", ctype)
@@ -86,16 +152,44 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Cache-Control", cache)
         self.send_header("X-Content-Type-Options", "nosniff")
         self.end_headers()
-        if send_body:
-            self.wfile.write(body)
+        if send_body:  # in parts: the socket's timeout bounds each part, not a large model as a whole
+            view = memoryview(body)
+            for start in range(0, len(view), 1 << 20):
+                self.wfile.write(view[start:start + (1 << 20)])
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
         logger.debug("netron server: " + format, *args)
 
 
 class _HTTPServer(http.server.ThreadingHTTPServer):
+    """One thread per connection, at most ``owner.max_connections`` at once (more are closed)."""
+
     daemon_threads = True
+    request_queue_size = 64  # listen() backlog: a page opens many connections at once
     owner: NetronServer
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            logger.debug("netron server: %d connections open; closing one more from %s",
+                         self.owner.max_connections, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client gone or silent past the timeout mid-answer: a debug line, not a traceback on stderr.
+        logger.debug("netron server: a connection from %s failed", client_address, exc_info=True)
 
 
 _SERVERS: weakref.WeakSet[NetronServer] = weakref.WeakSet()
@@ -132,18 +226,26 @@ class NetronServer:
         host: address to bind (keep the default: the server has no authentication).
         port: 0 picks a free port.
         proxy: how the browser reaches the server, see :func:`proxy_prefix`.
+        timeout: seconds a connection may stay silent before it is closed.
+        max_connections: connections served at once (see Note [What the netron server answers]).
 
     Example:
         >>> with NetronServer() as server:                        # doctest: +SKIP
         ...     url = server.url(server.add("net_forward_exported_train.onnx"))
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, proxy: bool | str | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, proxy: bool | str | None = None,
+                 timeout: float = 30.0, max_connections: int = 32) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ConfigError(f"timeout={timeout!r} must be a positive number of seconds (default 30).")
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise ConfigError(f"max_connections={max_connections!r} must be a whole number >= 1 (default 32).")
         self.host, self.proxy = host, proxy
+        self.timeout, self.max_connections = float(timeout), max_connections
         self._port = port
         # 127.0.0.1 is reachable by every user of a shared machine: pages and files need this key.
         self.key = secrets.token_urlsafe(12)
-        self._files: dict[str, str] = {}
+        self._files: dict[str, tuple[str, str]] = {}  # name -> (path, where it resolved when registered)
         self._lock = threading.Lock()
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -155,7 +257,7 @@ class NetronServer:
             return self
         netron_dir()  # fail early, with the install hint
         httpd = _HTTPServer((self.host, self._port), _Handler)
-        httpd.owner = self
+        httpd.owner, httpd.slots = self, threading.BoundedSemaphore(self.max_connections)
         self._httpd = httpd
         self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name=f"ortlab-netron-{httpd.server_address[1]}", daemon=True)
@@ -172,6 +274,18 @@ class NetronServer:
             httpd.server_close()
         if thread is not None:
             thread.join(timeout=5)
+
+    def _forget_after_fork(self) -> None:
+        """In a forked child: close the inherited listening socket and drop the state (see Note
+        [What the netron server answers]); the parent's server is untouched."""
+        httpd = self._httpd
+        self._httpd = self._thread = None
+        self._lock = threading.Lock()  # another thread of the parent may have held it at the fork
+        if httpd is not None:
+            try:
+                httpd.socket.close()
+            except OSError:
+                pass
 
     @property
     def running(self) -> bool:
@@ -196,7 +310,7 @@ class NetronServer:
         if not os.path.isfile(path):
             raise OrtlabError(f"cannot serve {path}: no such file.")
         with self._lock:
-            for known, p in self._files.items():
+            for known, (p, _) in self._files.items():
                 if p == path:
                     return known
             base = re.sub(r"[^A-Za-z0-9_.-]", "_", name or os.path.basename(path)).lstrip(".") or "model.onnx"
@@ -204,7 +318,7 @@ class NetronServer:
             candidate, k = base, 1
             while candidate in self._files:
                 candidate, k = f"{stem}-{k}{ext}", k + 1
-            self._files[candidate] = path
+            self._files[candidate] = (path, os.path.realpath(path))
             return candidate
 
     def remove(self, name: str) -> None:
@@ -215,17 +329,41 @@ class NetronServer:
         """Stop serving every file under ``folder``."""
         folder = os.path.abspath(folder) + os.sep
         with self._lock:
-            for name in [n for n, p in self._files.items() if p.startswith(folder)]:
+            for name in [n for n, (p, _) in self._files.items() if p.startswith(folder)]:
                 del self._files[name]
 
     def path_of(self, name: str) -> str | None:
         with self._lock:
-            return self._files.get(name)
+            entry = self._files.get(name)
+        return entry[0] if entry is not None else None
+
+    def read(self, name: str) -> bytes | None:
+        """The bytes of the file registered as ``name``; None when there is none, or it no longer
+        resolves where it did when registered, or is not a regular file (Note [What the netron
+        server answers])."""
+        with self._lock:
+            entry = self._files.get(name)
+        if entry is None:
+            return None
+        path, real = entry
+        if os.path.realpath(path) != real:
+            logger.debug("netron server: %s no longer leads to %s; not served", path, real)
+            return None
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+        try:
+            fd = os.open(real, flags)
+        except OSError as e:  # gone, or a symlink now (ELOOP)
+            logger.debug("netron server: cannot open %s: %s", real, e)
+            return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            return f.read()
 
     @property
     def files(self) -> dict[str, str]:
         with self._lock:
-            return dict(self._files)
+            return {name: path for name, (path, _) in self._files.items()}
 
     # ----------------------------------------------------------------------------- URLs
     def _query(self, name: str | None, node: str | None, title: str | None) -> str:
@@ -296,6 +434,18 @@ def forget_folder(folder: str) -> None:
 def _stop_all() -> None:
     for server in list(_SERVERS):
         server.stop()
+
+
+def _forget_servers_in_child() -> None:
+    """After a fork, in the child: drop every inherited server (Note [What the netron server answers])."""
+    global _DEFAULT, _DEFAULT_LOCK
+    for server in list(_SERVERS):
+        server._forget_after_fork()
+    _DEFAULT, _DEFAULT_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_servers_in_child)
 
 
 def frame_name(folder: str) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 from ortlab.errors import ConfigError, OrtlabError
 from ortlab.inspect.profile_window import collect_profile
 from ortlab.ui import _monitor_figure as plots
-from ortlab.ui._monitor_data import FORMAT, StepLog, scalar
+from ortlab.ui._monitor_data import FORMAT, MAX_FILE_BYTES, StepLog, scalar
 from ortlab.ui._monitor_schedule import Schedule
 from ortlab.ui._monitor_view import MonitorView
 from ortlab.ui._monitor_watch import StepWatcher
@@ -275,17 +275,34 @@ class Monitor:
     def load(cls, path: str | os.PathLike) -> Monitor:
         """A Monitor holding a file written by :meth:`save` (nothing attached).
 
+        The file is read as JSON only (nothing in it runs) and checked before use: every
+        value of its type, numbers finite or null, within the limits of
+        ``ortlab.ui._monitor_data`` (``MAX_STEPS``...).
+
         Example:
             >>> Monitor.load("run.json").figure()     # doctest: +SKIP
+
+        Raises:
+            ConfigError: the file is not a monitor file or has a wrong entry (the message names it).
         """
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        where = repr(os.fspath(path))
+        if os.path.getsize(path) > MAX_FILE_BYTES:
+            raise ConfigError(f"{where} has {os.path.getsize(path):,} bytes, more than a monitor file holds "
+                              f"({MAX_FILE_BYTES:,}); is it a file of Monitor.save(path)?")
+        try:
+            with open(path, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (ValueError, RecursionError) as e:  # not JSON, or nested deeper than a monitor file
+            raise ConfigError(f"{where} is not an ortlab monitor file ({e}); "
+                              "write one with Monitor.save(path).") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-            raise ConfigError(f"{os.fspath(path)!r} is not an ortlab monitor file; write one with Monitor.save(path).")
-        mon = cls(None, every=int(doc.get("every", 10)), profile=False)
-        mon._log = mon._view.log = mon._schedule.log = StepLog.from_document(doc)
-        mon._schedule.monitor_s = float(doc.get("overhead", {}).get("monitor_s", 0.0))
-        mon._schedule.train_s = float(doc.get("overhead", {}).get("train_s", 0.0))
+            raise ConfigError(f"{where} is not an ortlab monitor file; write one with Monitor.save(path).")
+        log = StepLog.from_document(doc, where)
+        mon = cls(None, every=doc.get("every", 10), profile=False)
+        mon._log = mon._view.log = mon._schedule.log = log
+        overhead = doc.get("overhead", {})
+        mon._schedule.monitor_s = float(overhead.get("monitor_s") or 0.0)
+        mon._schedule.train_s = float(overhead.get("train_s") or 0.0)
         return mon
 
     # ----------------------------------------------------------------------- drawing

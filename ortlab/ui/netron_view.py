@@ -26,7 +26,7 @@ import os
 import re
 from typing import Any
 
-from ortlab.errors import OrtlabError
+from ortlab.errors import ConfigError, OrtlabError
 from ortlab.inspect.views import register_view
 from ortlab.ui._html import viewer_html
 from ortlab.ui._netron_graphs import (
@@ -121,14 +121,15 @@ class ModulePicker:
 
     def _repr_html_(self) -> str:
         rows = "".join(
-            f"<tr><td><code>{html.escape(m or '<root>')}</code></td><td style='text-align:right'>{n}</td></tr>"
+            f"<tr><td><code>{html.escape(m or '<root>')}</code></td>"
+            f"<td style='text-align:right'>{html.escape(str(n))}</td></tr>"
             for m, n in list(self.counts.items())[:40]
         )
         example = next((m for m in self.counts if m not in ("", "?")), "")
         return (
             f"<div style='font:12px sans-serif'><p><b>{html.escape(os.path.basename(self.path))}</b> has "
             f"{self.nodes} nodes (netron lays out more than {self.max_nodes} slowly). View one module: "
-            f"<code>{html.escape(self.call)}(module={example!r})</code>, or all of it with "
+            f"<code>{html.escape(f'{self.call}(module={example!r})')}</code>, or all of it with "
             f"<code>force=True</code>.</p><table><tr><th>module</th><th>nodes</th></tr>{rows}</table></div>"
         )
 
@@ -159,12 +160,27 @@ class CodeView:
                 f"<pre style='max-height:500px;overflow:auto;font-size:11px'>{chr(10).join(lines)}</pre>")
 
 
+def _in_folder(folder: str, path: str) -> bool:
+    """Whether ``path`` resolves (symlinks followed) inside ``folder``."""
+    real = os.path.realpath(folder)
+    return os.path.commonpath([real, os.path.realpath(path)]) == real
+
+
+def _view_file(path: str, out: str) -> str:
+    """``out`` (a file under ``views/`` next to ``path``), checked not to lead out of ``path``'s folder."""
+    if not _in_folder(os.path.dirname(path), out):
+        raise ConfigError(f"cannot write the view {out}: it leads outside the graph's folder "
+                          f"{os.path.dirname(path)} (to {os.path.realpath(out)}) through a symlink. "
+                          "Remove the link (views/ holds only files ortlab makes).")
+    return out
+
+
 def _reference_path(path: str) -> str | None:
     """The exported (or onnxscript) model an optimized stage file came from, if saved next to it."""
     for stage in ("onnxscript", "exported"):
         candidate = re.sub(r"_(ort_basic|ort_extended|ort_all|execution|onnxscript)_(train|eval)\.onnx$",
                            rf"_{stage}_\2.onnx", path)
-        if candidate != path and os.path.exists(candidate):
+        if candidate != path and os.path.exists(candidate) and _in_folder(os.path.dirname(path), candidate):
             return candidate
     return None
 
@@ -177,7 +193,8 @@ def _module_file(path: str, model: Any, module: str, reference: Any) -> str:
     import onnx
 
     folder = os.path.join(os.path.dirname(path), "views")
-    out = os.path.join(folder, f"{os.path.splitext(os.path.basename(path))[0]}.{_safe(module)}.onnx")
+    stem = os.path.splitext(os.path.basename(path))[0]
+    out = _view_file(path, os.path.join(folder, f"{stem}.{_safe(module)}.onnx"))
     if not (os.path.exists(out) and os.stat(out).st_mtime_ns >= os.stat(path).st_mtime_ns):
         os.makedirs(folder, exist_ok=True)
         annotated = annotate(model, reference) if reference is not None else None
@@ -189,7 +206,7 @@ def _annotated_file(path: str, model: Any, reference: Any) -> str:
     """``path``, or a copy under ``views/`` whose nodes carry their source (see :func:`annotate`)."""
     import onnx
 
-    out = os.path.join(os.path.dirname(path), "views", os.path.basename(path))
+    out = _view_file(path, os.path.join(os.path.dirname(path), "views", os.path.basename(path)))
     if os.path.exists(out) and os.stat(out).st_mtime_ns >= os.stat(path).st_mtime_ns:
         return out
     annotated = annotate(model, reference)

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ortlab.errors import ConfigError
 from ortlab.inspect.lab import Lab
 from ortlab.inspect.lab_stage import Stage
 from ortlab.inspect.views import register_view
@@ -35,14 +36,14 @@ def _ops_table(stage: Stage) -> str:
         delta = ""
         if diff is not None:
             if op in diff.added:
-                delta = f"<span style='color:#1a7f37'>+{diff.added[op]}</span>"
+                delta = f"<span style='color:#1a7f37'>+{esc(diff.added[op])}</span>"
             elif op in diff.removed:
-                delta = f"<span style='color:#cf222e'>-{diff.removed[op]}</span>"
-        rows.append([f"<code>{esc(op)}</code>", str(n), delta])
+                delta = f"<span style='color:#cf222e'>-{esc(diff.removed[op])}</span>"
+        rows.append([f"<code>{esc(op)}</code>", esc(n), delta])
     if diff is not None:
         gone = [op for op in diff.removed if op not in stage.op_counts]
         rows += [[f"<code style='color:#999'>{esc(op)}</code>", "0",
-                  f"<span style='color:#cf222e'>-{diff.removed[op]}</span>"] for op in gone]
+                  f"<span style='color:#cf222e'>-{esc(diff.removed[op])}</span>"] for op in gone]
     return table(["op", "count", f"vs {stage.previous}" if stage.previous else ""], rows, TOP_OPS)
 
 
@@ -51,10 +52,12 @@ def _diff_html(stage: Stage) -> str:
     if d is None:
         return ""
     if not d.changed:
-        return f"<p style='font-size:12px'>No change in op counts from <b>{esc(stage.previous)}</b> ({d.after} ops).</p>"
+        return (f"<p style='font-size:12px'>No change in op counts from <b>{esc(stage.previous)}</b> "
+                f"({esc(d.after)} ops).</p>")
     def chips(ops: dict[str, int], sign: str, color: str) -> str:
-        return " ".join(f"<code style='color:{color}'>{esc(op)} {sign}{n}</code>" for op, n in list(ops.items())[:12])
-    parts = [f"<b>{d.before}</b> &rarr; <b>{d.after}</b> ops from <b>{esc(stage.previous)}</b>"]
+        return " ".join(f"<code style='color:{color}'>{esc(op)} {sign}{esc(n)}</code>"
+                        for op, n in list(ops.items())[:12])
+    parts = [f"<b>{esc(d.before)}</b> &rarr; <b>{esc(d.after)}</b> ops from <b>{esc(stage.previous)}</b>"]
     if d.added:
         parts.append("added " + chips(d.added, "+", "#1a7f37"))
     if d.removed:
@@ -71,22 +74,36 @@ def _graphs_table(stage: Stage, linker: Linker) -> str:
         counts = stage.graph_op_counts.get(label, {})
         rel = stage.artifacts.get(label, "")
         name = esc(os.path.basename(rel))
-        if rel and stage.kind == "onnx":
-            name = linker.link(name, linker.url(os.path.join(stage.root, rel)))
-        rows.append([f"<code>{esc(label)}</code>", str(sum(counts.values())), name,
-                     f"<code>lab[{stage.name!r}].view({label!r})</code>" if rel else ""])
+        if rel and stage.kind == "onnx" and linker.active:
+            path = _artifact(stage, label)
+            name = linker.link(name, linker.url(path) if path is not None else None)
+        rows.append([f"<code>{esc(label)}</code>", esc(sum(counts.values())), name,
+                     f"<code>{esc(f'lab[{stage.name!r}].view({label!r})')}</code>" if rel else ""])
     return "<h4 style='margin:8px 0 2px'>Graphs</h4>" + table(["graph", "ops", "file", "open"], rows, 20)
+
+
+def _artifact(stage: Stage, label: str) -> str | None:
+    """The stage's file ``label``; None for one leading out of the lab folder (no link to it)."""
+    try:
+        return stage.artifact(label)
+    except ConfigError:
+        return None
 
 
 def _breaks_table(stage: Stage) -> str:
     if not stage.graph_breaks:
         return "<p style='font-size:12px'>No graph breaks: one graph per call.</p>" if stage.name == "captured" else ""
-    rows = [[esc(b.reason), str(b.count), f"<code>{esc(b.location)}</code>" if b.location else "",
+    rows = [[esc(b.reason), esc(b.count), f"<code>{esc(b.location)}</code>" if b.location else "",
              f"<details><summary>details</summary><pre style='white-space:pre-wrap;font-size:11px'>"
              f"{esc(b.detail)}</pre></details>" if b.detail and b.detail != b.reason else ""]
             for b in stage.graph_breaks]
     return ("<h4 style='margin:8px 0 2px'>Graph breaks (the code around each runs in PyTorch)</h4>"
             + table(["reason", "count", "where", ""], rows))
+
+
+def _number(value: object) -> float:
+    """A summary figure as a number (0 for one that is missing or not a number)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 def _activations_table(stage: Stage, linker: Linker) -> str:
@@ -99,9 +116,9 @@ def _activations_table(stage: Stage, linker: Linker) -> str:
                      esc(a.dtype), fmt_bytes(a.bytes), esc(a.module or "<root>"), f"<small>{esc(a.source)}</small>",
                      ("recomputed" + (f": {esc(a.reason)}" if a.reason else "")) if a.recomputed else "saved"])
     s = stage.summary
-    head = (f"<h4 style='margin:8px 0 2px'>Saved activations: {s.get('saved', 0)} saved, "
-            f"{s.get('recomputed', 0)} recomputed, {fmt_bytes(int(s.get('saved_bytes', 0)))} "
-            f"(without recompute {fmt_bytes(int(s.get('baseline_bytes', 0)))})</h4>")
+    head = (f"<h4 style='margin:8px 0 2px'>Saved activations: {esc(s.get('saved', 0))} saved, "
+            f"{esc(s.get('recomputed', 0))} recomputed, {fmt_bytes(_number(s.get('saved_bytes')))} "
+            f"(without recompute {fmt_bytes(_number(s.get('baseline_bytes')))})</h4>")
     return head + table(["graph", "name", "op", "shape", "dtype", "bytes", "module", "source", ""], rows, 30)
 
 
@@ -141,7 +158,7 @@ def stage_html(stage: Stage) -> str:
             f"{index}{'. ' if index else ''}{esc(stage.title or stage.name)} {badge(stage.status)} "
             f"<small style='color:#666'><code>{esc(stage.name)}</code>"
             f"{' &middot; ' + fmt_seconds(stage.seconds) if stage.seconds is not None else ''}"
-            f"{' &middot; ' + str(stage.total_ops) + ' ops' if stage.op_counts else ''}</small></h3>"
+            f"{' &middot; ' + esc(stage.total_ops) + ' ops' if stage.op_counts else ''}</small></h3>"
             f"<p style='color:#444;margin:2px 0'>{esc(stage.description)}</p>")
     parts = [head]
     if stage.error:
@@ -150,7 +167,8 @@ def stage_html(stage: Stage) -> str:
         items = "".join(f"<li>{esc(n)}</li>" for n in stage.notes)
         parts.append(f"<ul style='font-size:12px;margin:2px 0'>{items}</ul>")
     if stage.status == "pending":
-        parts.append(f"<p style='font-size:12px'>Not run yet: <code>lab.run({stage.name!r})</code>.</p></div>")
+        call = esc(f"lab.run({stage.name!r})")
+        parts.append(f"<p style='font-size:12px'>Not run yet: <code>{call}</code>.</p></div>")
         return "".join(parts)
     parts += [_summary(stage), _diff_html(stage), _breaks_table(stage)]
     if stage.op_counts:
@@ -161,7 +179,8 @@ def stage_html(stage: Stage) -> str:
         parts.append("<details><summary style='font-size:12px'>Timings</summary>"
                      + table(["what", "time"], rows) + "</details>")
     if not linker.active and stage.kind == "onnx" and stage.artifacts:
-        parts.append(f"<p style='font-size:12px;color:#666'>Open a graph with <code>lab[{stage.name!r}].view()</code>; "
+        call = esc(f"lab[{stage.name!r}].view()")
+        parts.append(f"<p style='font-size:12px;color:#666'>Open a graph with <code>{call}</code>; "
                      "table rows then link to their nodes.</p>")
     parts.append("</div>")
     return "".join(parts)
@@ -177,9 +196,9 @@ def lab_html(lab: Lab) -> str:
     for i, s in enumerate(lab.stages, 1):
         change = ""
         if s.diff is not None and s.status == "done":
-            change = f"{s.diff.before} &rarr; {s.diff.after}" if s.diff.changed else "no change"
+            change = f"{esc(s.diff.before)} &rarr; {esc(s.diff.after)}" if s.diff.changed else "no change"
         rows.append([str(i), f"<code>{esc(s.name)}</code>", esc(s.title), badge(s.status),
-                     str(s.total_ops) if s.op_counts else "", change, fmt_seconds(s.seconds),
+                     esc(s.total_ops) if s.op_counts else "", change, fmt_seconds(s.seconds),
                      esc(s.error or (s.notes[0] if s.status == "skipped" and s.notes else ""))])
     meta = lab.meta
     inputs = ", ".join(meta.get("inputs", []))

@@ -368,3 +368,96 @@ def test_cheap_memory_readings_come_every_n_steps_whatever_the_budget():
     mon.close()
     steps = [row["step"] for row in mon.data if "rss_bytes" in row]
     assert len(steps) >= 5 and all(b - a == 2 for a, b in zip(steps, steps[1:])), steps
+
+
+EVIL = "<script>alert(1)</script>\"'><img src=x onerror=alert(2)>"
+
+
+def _document() -> dict:
+    """A small monitor file as Monitor.save writes it (with hostile names in its kernel records)."""
+    node = {"node": EVIL, "op_type": EVIL, "dur_us": 5.0, "count": 1, "graph": EVIL, "module": EVIL, "source": EVIL}
+    return {
+        "format": "ortlab.monitor", "version": 1, "every": 2,
+        "overhead": {"monitor_s": 0.1, "train_s": 1.0, "fraction": 0.1},
+        "steps": [
+            {"step": 1, "time_s": 0.0, "step_s": 0.1, "batch": 16, "samples_per_s": 160.0, "loss": 1.0,
+             "profiled": False, "lr": 0.1},
+            {"step": 2, "time_s": 0.1, "step_s": None, "batch": None, "samples_per_s": None, "loss": None,
+             "profiled": True, "rss_bytes": 100},
+        ],
+        "profiles": [{"step": 2, "steps": 1, "nodes": [node]}],
+    }
+
+
+def _row(doc: dict, **values) -> None:
+    doc["steps"][0].update(values)
+
+
+BAD_FILES = {
+    "loss NaN": (lambda d: _row(d, loss=float("nan")), r"steps\[0\].loss: expected a finite number or null"),
+    "loss infinite": (lambda d: _row(d, loss=float("inf")), r"steps\[0\].loss: expected a finite number"),
+    "loss a string": (lambda d: _row(d, loss="1.0"), r"steps\[0\].loss: expected a finite number"),
+    "time a list": (lambda d: _row(d, time_s=[1]), r"steps\[0\].time_s: expected a finite number"),
+    "logged value": (lambda d: _row(d, lr={"a": 1}), r"steps\[0\].lr: expected a finite number"),
+    "batch negative": (lambda d: _row(d, batch=-1), r"steps\[0\].batch: expected a whole number >= 0"),
+    "batch fraction": (lambda d: _row(d, batch=1.5), r"steps\[0\].batch: expected a whole number"),
+    "profiled": (lambda d: _row(d, profiled="yes"), r"steps\[0\].profiled: expected true or false"),
+    "row a list": (lambda d: d["steps"].append([1]), r"steps\[2\]: expected an object"),
+    "no steps": (lambda d: d.pop("steps"), r"steps: expected a list"),
+    "every zero": (lambda d: d.update(every=0), r"every: expected a whole number >= 1"),
+    "every a string": (lambda d: d.update(every="10"), r"every: expected a whole number >= 1"),
+    "overhead": (lambda d: d["overhead"].update(monitor_s="x"), r"overhead.monitor_s: expected a finite number"),
+    "version": (lambda d: d.update(version=2), r"version 2; this ortlab reads version <= 1"),
+    "profile steps 0": (lambda d: d["profiles"][0].update(steps=0), r"profiles\[0\].steps: expected a whole"),
+    "nodes missing": (lambda d: d["profiles"][0].pop("nodes"), r"profiles\[0\].nodes: expected a list"),
+    "node duration": (lambda d: d["profiles"][0]["nodes"][0].update(dur_us=-1.0), r"nodes\[0\].dur_us"),
+    "node count": (lambda d: d["profiles"][0]["nodes"][0].pop("count"), r"nodes\[0\].count: expected a whole"),
+    "node name": (lambda d: d["profiles"][0]["nodes"][0].update(node=3), r"nodes\[0\].node: expected a string"),
+    "node text": (lambda d: d["profiles"][0]["nodes"][0].update(module=None), r"nodes\[0\].module: expected a str"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FILES))
+def test_load_rejects_a_malformed_file_naming_the_entry(tmp_path, case):
+    change, message = BAD_FILES[case]
+    doc = _document()
+    change(doc)
+    (tmp_path / "run.json").write_text(json.dumps(doc))
+    with pytest.raises(ortlab.ConfigError, match=message):
+        Monitor.load(tmp_path / "run.json")
+
+
+def test_load_checks_a_file_from_elsewhere_before_use(tmp_path, monkeypatch):
+    import importlib
+
+    from ortlab.ui import _monitor_data
+    from ortlab.ui.kernel_table import kernel_table
+
+    monitor_module = importlib.import_module("ortlab.ui.monitor")  # ortlab.ui.monitor is also the function
+
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(_document()))
+    loaded = Monitor.load(path)
+    assert loaded.steps == 2 and loaded.data[0]["lr"] == 0.1 and loaded.data[1]["rss_bytes"] == 100
+    assert isinstance(loaded.figure(), go.Figure)
+    page = kernel_table(loaded)._repr_html_()  # names from the file, shown as text
+    assert "<script" not in page and "<img" not in page and "&lt;script&gt;" in page
+    # Not JSON, or nested without end: a ConfigError, not a parser's error.
+    for text in ("{not json", "[" * 100_000 + "]" * 100_000):
+        path.write_text(text)
+        with pytest.raises(ortlab.ConfigError, match="is not an ortlab monitor file"):
+            Monitor.load(path)
+    # Limits on the sizes a file may ask for.
+    doc = _document()
+    doc["steps"] += [{"step": 3, "a": 1.0}, {"step": 4, "b": 1.0}]
+    path.write_text(json.dumps(doc))
+    monkeypatch.setattr(_monitor_data, "MAX_STEPS", 3)
+    with pytest.raises(ortlab.ConfigError, match=r"steps: 4 entries, more than a monitor file holds \(3\)"):
+        Monitor.load(path)
+    monkeypatch.setattr(_monitor_data, "MAX_STEPS", 10)
+    monkeypatch.setattr(_monitor_data, "MAX_NAMES", 2)  # lr, rss_bytes, a, b
+    with pytest.raises(ortlab.ConfigError, match=r"steps\[2\]: more than 2 names of logged values"):
+        Monitor.load(path)
+    monkeypatch.setattr(monitor_module, "MAX_FILE_BYTES", 100)
+    with pytest.raises(ortlab.ConfigError, match="more than a monitor file holds"):
+        Monitor.load(path)

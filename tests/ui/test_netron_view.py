@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import datetime
+import html
+import http.client
 import json
 import os
 import re
 import shutil
 import socket
 import subprocess
+import threading
+import time
 import urllib.error
 import urllib.request
+import warnings
 
 import onnx
 import onnx.helper as oh
@@ -181,6 +186,7 @@ def test_server_stops_and_frees_the_port(saved):
     assert not server.running
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    _bind(port)  # the port is free for another server
     with NetronServer() as again:  # context manager: started, then stopped
         assert again.running
     assert not again.running
@@ -198,6 +204,143 @@ def test_proxy_urls_for_jupyterhub(monkeypatch, server, saved):
     name = server.add(str(saved))
     assert server.url(name).startswith(f"/user/me/proxy/{server.port}/?file=")
     assert server.local_url(name).startswith(f"http://127.0.0.1:{server.port}/?file=")
+
+
+def _bind(port: int) -> None:
+    """Listen on ``port`` as a new server would (SO_REUSEADDR: closed connections do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+
+
+def _status(port: int, path: str, host: str | None, **headers: str) -> int:
+    """The status of a GET of ``path`` sent with this ``Host`` header (None: none at all)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
+        for key, value in ({"Host": host} if host is not None else {}).items() | headers.items():
+            conn.putheader(key.replace("_", "-"), value)
+        conn.endheaders()
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_requests_for_other_hosts_are_refused(server, saved, monkeypatch):
+    """DNS rebinding: a page whose name now resolves to 127.0.0.1 sends its own name as Host."""
+    monkeypatch.delenv("JUPYTERHUB_SERVICE_PREFIX", raising=False)
+    port, name = server.port, server.add(str(saved))
+    data = f"/data/{server.key}/{name}"
+    for path in ("/", data, "/index.js", f"/?file={name}&key={server.key}"):
+        assert _status(port, path, f"127.0.0.1:{port}") == 200, path
+        assert _status(port, path, f"localhost:{port}") == 200, path
+        for host in (f"evil.example:{port}", f"127.0.0.1.evil.example:{port}", "evil.example", f"localhost.:{port}x",
+                     f"127.0.0.1@evil.example:{port}", "", None):
+            assert _status(port, path, host) == 403, (path, host)
+    assert _status(port, data, "LOCALHOST:9000") == 200  # a tunnel from another local port
+    # Behind jupyter-server-proxy: the hub's host, and the proxy's path in X-Forwarded-Prefix.
+    server.proxy = "/user/me/proxy/{port}/"
+    assert _status(port, data, "hub.example", X_Forwarded_Prefix=f"/user/me/proxy/{port}") == 200
+    assert _status(port, data, "hub.example", X_ProxyContextPath=f"/user/me/proxy/{port}/") == 200
+    assert _status(port, data, "hub.example") == 403
+    assert _status(port, data, "hub.example", X_Forwarded_Prefix=f"/user/other/proxy/{port}") == 403
+    server.proxy = "https://hub.example/user/me/proxy/{port}/"
+    assert _status(port, data, "hub.example") == 200 and _status(port, data, "evil.example") == 403
+    server.proxy = None
+    assert _status(port, data, "hub.example", X_Forwarded_Prefix=f"/user/me/proxy/{port}") == 403
+
+
+@pytest.mark.parametrize("path", [
+    "data/{key}/..%2fsecret.txt", "data/{key}/%2e%2e%2fsecret.txt", "data/{key}/..%5csecret.txt",
+    "data/{key}/%252e%252e%252fsecret.txt", "data/{key}/{dir}/secret.txt", "data/{key}/%2F{dir}%2Fsecret.txt",
+    "data/{key}//{dir}/secret.txt", "data/{key}/./{name}/../secret.txt", "data/{key}/{name}/..", "data/{key}/",
+    "data/{key}", "data/{key}/.", "%2e%2e/%2e%2e/etc/passwd", "..%2f..%2fetc%2fpasswd", "/etc/passwd",
+    "data/{key}/{name}%00", "data/{key}/{name}/", "index.js/../../server.py", ".%2fserver.py", "%2fetc%2fpasswd",
+])
+def test_traversal_variants_stay_not_found(server, saved, path):
+    name = server.add(str(saved))
+    url = f"http://127.0.0.1:{server.port}/" + path.format(key=server.key, name=name, dir=str(saved.parent).lstrip("/"))
+    assert _get(url)[0] == 404
+
+
+def test_a_registered_file_swapped_for_a_link_is_not_served(server, saved, tmp_path):
+    name = server.add(str(saved))
+    url = f"http://127.0.0.1:{server.port}/data/{server.key}/{name}"
+    assert _get(url) == (200, saved.read_bytes())
+    original = saved.read_bytes()
+    saved.unlink()
+    saved.symlink_to(tmp_path / "secret.txt")
+    assert _get(url)[0] == 404
+    saved.unlink()
+    os.mkfifo(saved)  # a FIFO would block a reader: refused at once
+    assert _get(url)[0] == 404
+    saved.unlink()
+    saved.write_bytes(original)  # written again where it was: served again
+    assert _get(url) == (200, original)
+    # A folder on the way swapped for a link to another folder with a file of that name.
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "g.onnx").write_bytes(original)
+    name = server.add(str(sub / "g.onnx"))
+    url = f"http://127.0.0.1:{server.port}/data/{server.key}/{name}"
+    assert _get(url)[0] == 200
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "g.onnx").write_text("secret")
+    sub.rename(tmp_path / "sub_was")
+    sub.symlink_to(other)
+    assert _get(url)[0] == 404
+
+
+def test_idle_connections_time_out_and_are_bounded():
+    with NetronServer(timeout=1, max_connections=4) as server:
+        port = server.port
+        before, start = threading.active_count(), time.monotonic()
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+        try:
+            idle[-1].settimeout(0.8)
+            assert idle[-1].recv(1) == b""  # past max_connections: closed at once
+            assert threading.active_count() - before <= 4  # 4 served (silent), no thread for the rest
+            for s in idle:
+                assert s.recv(1) == b""  # all closed by the server, the served ones after 1 s of silence
+            assert 0.9 < time.monotonic() - start < 3
+        finally:
+            for s in idle:
+                s.close()
+        assert _get(f"http://127.0.0.1:{port}/")[0] == 200  # the slots are free again
+        time.sleep(0.2)
+        assert threading.active_count() <= before
+    with pytest.raises(ConfigError, match="timeout=0 must be a positive number"):
+        NetronServer(timeout=0)
+    with pytest.raises(ConfigError, match="max_connections=0 must be a whole number >= 1"):
+        NetronServer(max_connections=0)
+
+
+def test_a_forked_child_lets_the_port_go_when_the_parent_stops(saved):
+    server = NetronServer().start()
+    port, name = server.port, server.add(str(saved))
+    report_r, report_w = os.pipe()
+    go_r, go_w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a process with threads
+        pid = os.fork()
+    if pid == 0:  # the child: say what it holds, wait for the parent, leave without cleanup
+        try:
+            os.write(report_w, b"1" if server._httpd is None and not server.running else b"0")
+            os.read(go_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(report_r, 1) == b"1"
+        assert _get(f"http://127.0.0.1:{port}/data/{server.key}/{name}")[0] == 200  # the parent still serves
+        server.stop()
+        _bind(port)  # free, though the child still lives
+    finally:
+        os.write(go_w, b"x")
+        os.waitpid(pid, 0)
+        for fd in (report_r, report_w, go_r, go_w):
+            os.close(fd)
 
 
 # --------------------------------------------------------------------------------- subgraphs
@@ -252,6 +395,36 @@ def test_large_graph_views_one_module(server, saved):
     assert len(onnx.load(view_file(str(saved), max_nodes=3, force=True, server=server).path).graph.node) == 5
     head = view_file(str(saved), module="head", server=server)
     assert [n.name for n in onnx.load(head.path).graph.node] == ["node_neg"]
+
+
+def test_module_picker_escapes_module_names_from_the_file(server, tmp_path):
+    evil = "<script>alert(1)</script>\"'><img src=x onerror=alert(2)>"
+    model = _layered_model()
+    for node in model.graph.node:
+        for prop in node.metadata_props:
+            if prop.key == "ortlab.module":
+                prop.value = evil
+    path = tmp_path / "net_forward_exported_train.onnx"
+    onnx.save(model, str(path))
+    picker = view_file(str(path), max_nodes=3, server=server)
+    page = picker._repr_html_()
+    assert isinstance(picker, ModulePicker) and "<script" not in page and "<img" not in page
+    assert html.escape(f"view(module={evil!r})") in page
+
+
+def test_views_are_never_written_or_read_outside_the_graphs_folder(server, saved, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("outside")
+    os.symlink(outside, saved.parent / "views")  # views/ leads out of the lab folder
+    with pytest.raises(ConfigError, match="leads outside the graph's folder"):
+        view_file(str(saved), module="head", server=server)
+    assert os.listdir(outside) == []
+    # A reference model next to an optimized one that is a link out of the folder is not read.
+    optimized = saved.parent / "net_forward_ort_all_train.onnx"
+    onnx.save(_layered_model(), str(optimized))
+    onnx.save(_layered_model(), str(outside / "elsewhere.onnx"))
+    os.symlink(outside / "elsewhere.onnx", saved.parent / "net_forward_onnxscript_train.onnx")
+    os.remove(saved)
+    assert netron_view._reference_path(str(optimized)) is None
 
 
 def test_default_server_is_shared_and_stoppable(saved):

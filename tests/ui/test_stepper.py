@@ -110,3 +110,83 @@ def test_lab_html_and_widget_step_through(tmp_path, no_server):
     assert lab._repr_html_().count("done") >= 9
     assert lab["step"]._repr_html_().count("First training step") == 1
     lab.close()
+
+
+# A string from a hostile lab.json: every place it shows must show it as text.
+EVIL = "<script>alert(1)</script>\"'><img src=x onerror=alert(2)>"
+
+
+def _hostile_lab(folder) -> None:
+    """A lab folder whose lab.json puts EVIL in every string a page shows."""
+    import json
+
+    folder.mkdir()
+    (folder / "a.py").write_text("x = 1\n")
+    x = EVIL
+    stages = [
+        {"name": "captured", "title": x, "description": x, "status": "done", "notes": [x], "op_counts": {x: 2},
+         "graph_op_counts": {x: {x: 2}}, "artifacts": {x: "a.py"}, "seconds": 0.5, "timings": {x: 0.1},
+         "graph_breaks": [{"reason": x, "count": 1, "location": x, "detail": x + " more"}],
+         "summary": {x: x, "modes": [x]}},
+        {"name": "joint", "title": x, "status": "done", "op_counts": {x: 1, "aten.mm": 1}, "previous": "captured",
+         "diff": {"added": {"aten.mm": 1}, "removed": {x: 1, x + "2": 3}, "before": 2, "after": 2}},
+        {"name": "split", "title": x, "status": "done", "op_counts": {"aten.mm": 1},
+         "activations": [{"name": x, "op": x, "shape": [2, 3], "dtype": x, "bytes": 24, "module": x, "source": x,
+                          "recomputed": True, "reason": x, "graph": x, "onnx_node": x}],
+         "summary": {"saved": 1, "recomputed": 1, "saved_bytes": 24, "baseline_bytes": 48}},
+        {"name": "exported", "title": x, "status": "done", "op_counts": {"Gemm": 1}, "artifacts": {x: "b.onnx"},
+         "fallbacks": [{"scope": "op", "where": x, "reason": x, "node": x, "op": x, "module": x, "source": x,
+                        "kind": x, "values": [x]}]},
+        {"name": "onnxscript", "title": x, "status": "failed", "error": x},
+        {"name": "ort_basic", "title": x, "status": "skipped", "notes": [x]},
+        {"name": "step", "title": x, "description": x, "status": "pending", "artifacts": {x: "c.onnx"}},
+    ]
+    doc = {"format": "ortlab.lab", "version": 1, "meta": {"model": x, "inputs": [x]}, "stages": stages}
+    (folder / "lab.json").write_text(json.dumps(doc))
+
+
+def test_strings_from_a_lab_file_are_escaped(tmp_path, no_server):
+    from ortlab.inspect.lab import Lab
+
+    _hostile_lab(tmp_path / "lab")
+    lab = Lab.load(str(tmp_path / "lab"))
+    pages = [lab_html(lab), lab._repr_html_()] + [stage_html(s) for s in lab.stages]
+    pages += [s._repr_html_() for s in lab.stages]
+    for page in pages:
+        assert "<script" not in page and "<img" not in page, page
+    assert html.escape(EVIL) in pages[0]  # shown, as text
+    graphs = stage_html(lab["captured"])
+    assert html.escape(f"lab['captured'].view({EVIL!r})") in graphs  # the call to open the graph, as text
+
+
+def test_table_links_never_serve_a_file_outside_the_lab(tmp_path, no_server):
+    import json
+    import os
+
+    import onnx
+    import onnx.helper as oh
+
+    from ortlab.inspect.lab import Lab
+
+    graph = oh.make_graph([oh.make_node("Relu", ["x"], ["y"], name="node_relu")], "g",
+                          [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    (tmp_path / "lab").mkdir()
+    onnx.save(model, str(tmp_path / "outside.onnx"))
+    onnx.save(model, str(tmp_path / "lab" / "net_forward_exported_train.onnx"))
+    stage = {"name": "exported", "status": "done", "op_counts": {"Relu": 1},
+             "artifacts": {"g0.forward": "net_forward_exported_train.onnx"},
+             "fallbacks": [{"scope": "op", "where": "g0.forward", "reason": "r", "op": "aten.relu", "values": ["x"]}]}
+    (tmp_path / "lab" / "lab.json").write_text(json.dumps({"format": "ortlab.lab", "version": 1, "stages": [stage]}))
+    lab = Lab.load(str(tmp_path / "lab"))
+    server = netron_view.default_server()
+    assert any(urllib.parse.quote("net_forward_exported_train.onnx") in u for u in _links(stage_html(lab["exported"])))
+    # The graph is swapped for a link out of the lab folder: the table shows it without links.
+    os.remove(tmp_path / "lab" / "net_forward_exported_train.onnx")
+    os.symlink(tmp_path / "outside.onnx", tmp_path / "lab" / "net_forward_exported_train.onnx")
+    for name in list(server.files):
+        server.remove(name)
+    page = stage_html(lab["exported"])
+    assert "net_forward_exported_train.onnx" in page and not _links(page)
+    assert not server.files
