@@ -1,10 +1,21 @@
-"""The on-disk cache: a hit skips export and matches eager; a different graph misses."""
+"""The on-disk cache: a hit skips export and matches eager; a different graph misses.
+
+An entry that is damaged, malformed or swapped is dropped with a warning and rebuilt,
+never used and never a crash.
+"""
 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
+import logging
+import random
+import struct
 
+import pytest
 import torch
+from conftest import assert_ran_in_ort
 from torch import nn
 
 import ortlab
@@ -111,3 +122,158 @@ def test_full_cache_hit_skips_building_the_torchlib_registry(tmp_path):
 
     assert run() == ["0", "1"]  # exported: the registry was built
     assert run() == ["2", "0"]  # forward and backward from the cache, no registry
+
+
+# ------------------------------------------------------------------------------------- integrity
+DROPPED = "dropping cache entry"
+
+
+@pytest.fixture(autouse=True)
+def _warnings(caplog):
+    caplog.set_level(logging.WARNING, logger="ortlab")
+
+
+def messages(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def entry_files(folder: Path) -> list[tuple[Path, Path]]:
+    """(model, metadata) of each entry."""
+    return [(p, p.with_suffix(".json")) for p in sorted(folder.glob("*.onnx"))]
+
+
+def populate(folder: Path) -> tuple[nn.Module, torch.Tensor]:
+    """Write the forward's and the backward's entries of a small net; its weights and input."""
+    torch.manual_seed(0)
+    base = Net(nn.Tanh())
+    x = torch.randn(4, 6)
+    step(ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(folder)), copy.deepcopy(base), x)
+    assert len(entry_files(folder)) == 2
+    return base, x
+
+
+def run_cached(folder: Path, base: nn.Module, x: torch.Tensor) -> ortlab.ORTModule:
+    """A new module over ``folder`` that matches eager and runs in onnxruntime (``fallback="raise"``)."""
+    om = ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(folder), fallback="raise")
+    step(om, copy.deepcopy(base), x)
+    assert_ran_in_ort(om)
+    return om
+
+
+def test_a_flipped_constant_in_a_cached_model_is_caught(tmp_path, caplog):
+    """One bit that leaves a valid model computing something else: the backward's 1.0 (of 1 - tanh^2) -> 0.25."""
+    base, x = populate(tmp_path)
+    constant = b"J\x04" + struct.pack("<f", 1.0)  # TensorProto.raw_data (field 9, 4 bytes) of a float 1.0
+    (model,) = [m for m, _ in entry_files(tmp_path) if m.read_bytes().count(constant) == 1]
+    data = bytearray(model.read_bytes())
+    data[data.index(constant) + 5] ^= 0x01  # 0x3f800000 -> 0x3e800000
+    model.write_bytes(bytes(data))
+    om = run_cached(tmp_path, base, x)  # without the checksum: wrong gradients
+    assert cached(om) == 1 and len(messages(caplog, DROPPED)) == 1
+    assert "checksum" in messages(caplog, DROPPED)[0]
+    caplog.clear()
+    assert cached(run_cached(tmp_path, base, x)) == 2 and not messages(caplog, DROPPED)  # rewritten
+
+
+def test_bit_flips_in_entries_are_dropped_and_rebuilt(tmp_path, caplog):
+    """Flips at many offsets of both models and both metadata files: each is caught and rebuilt, never a
+    wrong number or an exception (the checksums cover every byte, so every flip is caught)."""
+    base, x = populate(tmp_path)
+    originals = {p: p.read_bytes() for pair in entry_files(tmp_path) for p in pair}
+    rng = random.Random(0)
+    for path, original in originals.items():
+        for offset in sorted(rng.sample(range(len(original)), 14)):
+            bit = rng.randrange(8)
+            caplog.clear()
+            data = bytearray(original)
+            data[offset] ^= 1 << bit
+            path.write_bytes(bytes(data))
+            om = run_cached(tmp_path, base, x)
+            assert cached(om) == 1 and len(messages(caplog, DROPPED)) == 1, (path.name, offset, bit)
+            for p, d in originals.items():
+                p.write_bytes(d)
+
+
+def _signed(meta: dict) -> bytes:
+    """``meta`` with the checksum a valid writer gives it: only the field checks can catch what changed."""
+    body = {k: v for k, v in meta.items() if k != "sha256"}
+    body["sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return json.dumps(body).encode()
+
+
+def _guard(output: str) -> dict:
+    return {"output": output, "lowest": "0", "error": "IndexError", "message": "m", "dim": 0, "where": "w"}
+
+
+def _replace(values: list, i: int, value: object) -> list:
+    return values[:i] + [value] + values[i + 1:]
+
+
+METADATA_VARIANTS = {
+    "empty file": lambda m: b"",
+    "null": lambda m: b"null",
+    "an empty list": lambda m: b"[]",
+    "an empty object": lambda m: b"{}",
+    "a string": lambda m: b'"x"',
+    "not UTF-8": lambda m: b"\xff\xfe{}",
+    "the unversioned layout": lambda m: json.dumps(
+        {k: v for k, v in m.items() if k not in ("format", "key", "model_sha256", "sha256")}).encode(),
+    "format 1": lambda m: _signed({**m, "format": 1}),
+    "format as a string": lambda m: _signed({**m, "format": "2"}),
+    "format true": lambda m: _signed({**m, "format": True}),
+    "another entry's key": lambda m: _signed({**m, "key": "0" * 32}),
+    "another model's checksum": lambda m: _signed({**m, "model_sha256": "0" * 64}),
+    "a stale checksum": lambda m: json.dumps({**m, "input_kinds": m["input_kinds"][:-1]}).encode(),
+    "input_kinds null": lambda m: _signed({**m, "input_kinds": None}),
+    "one input kind short": lambda m: _signed({**m, "input_kinds": m["input_kinds"][:-1]}),
+    "one input kind more": lambda m: _signed({**m, "input_kinds": m["input_kinds"] + ["tensor"]}),
+    "an unknown input kind": lambda m: _signed({**m, "input_kinds": _replace(m["input_kinds"], 0, "tensos")}),
+    "output lists of other lengths": lambda m: _signed({**m, "output_dtypes": m["output_dtypes"][:-1]}),
+    "one output more": lambda m: _signed({**m, "output_kinds": m["output_kinds"] + ["tensor"],
+                                          "output_dtypes": m["output_dtypes"] + ["torch.float32"],
+                                          "output_sources": m["output_sources"] + [None]}),
+    "an unknown dtype": lambda m: _signed({**m, "output_dtypes": _replace(m["output_dtypes"], 0, "torch.complex64")}),
+    "a dtype for an int output": lambda m: _signed({**m, "output_kinds": _replace(m["output_kinds"], 0, "int")}),
+    "a source past the inputs": lambda m: _signed({**m, "output_sources": _replace(m["output_sources"], 0, ["input", 99])}),
+    "a source a later output": lambda m: _signed({**m, "output_sources": _replace(m["output_sources"], 0, ["output", 1])}),
+    "a source of a bool index": lambda m: _signed({**m, "output_sources": _replace(m["output_sources"], 0, ["input", True])}),
+    "guards null": lambda m: _signed({**m, "guards": None}),
+    "a malformed guard": lambda m: _signed({**m, "guards": [{"output": 1}]}),
+    "a guard the model lacks": lambda m: _signed({**m, "guards": [_guard("ortlab_guard_0")]}),
+    "provenance a list": lambda m: _signed({**m, "provenance": []}),
+}
+
+
+def test_malformed_metadata_is_dropped_and_rebuilt(tmp_path, caplog):
+    """Metadata that cannot serve the runner, each variant written in both entries: dropped with a warning,
+    rebuilt, never a crash (an extra output used to end ``forward`` with a ``StopIteration``)."""
+    base, x = populate(tmp_path)
+    originals = {p: p.read_bytes() for pair in entry_files(tmp_path) for p in pair}
+    metas = {j: json.loads(originals[j]) for _, j in entry_files(tmp_path)}
+    for name, variant in METADATA_VARIANTS.items():
+        caplog.clear()
+        for path, meta in metas.items():
+            path.write_bytes(variant(meta))
+        om = run_cached(tmp_path, base, x)
+        assert cached(om) == 0 and len(messages(caplog, DROPPED)) == 2, name
+        for p, d in originals.items():
+            p.write_bytes(d)
+    caplog.clear()
+    assert cached(run_cached(tmp_path, base, x)) == 2 and not messages(caplog, DROPPED)
+
+
+@pytest.mark.parametrize("swap", ["onnx", "json", "both"])
+def test_files_swapped_between_entries_are_caught(tmp_path, caplog, swap):
+    """The forward's and the backward's files exchanged: the key and the model's checksum in the metadata
+    tell (with ``both``, each entry is the other's complete, valid entry under the wrong name)."""
+    base, x = populate(tmp_path)
+    (m1, j1), (m2, j2) = entry_files(tmp_path)
+    pairs = {"onnx": [(m1, m2)], "json": [(j1, j2)], "both": [(m1, m2), (j1, j2)]}[swap]
+    for a, b in pairs:
+        data_a, data_b = a.read_bytes(), b.read_bytes()
+        a.write_bytes(data_b)
+        b.write_bytes(data_a)
+    om = run_cached(tmp_path, base, x)
+    assert cached(om) == 0 and len(messages(caplog, DROPPED)) == 2
+    caplog.clear()
+    assert cached(run_cached(tmp_path, base, x)) == 2 and not messages(caplog, DROPPED)
