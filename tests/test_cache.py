@@ -1,7 +1,7 @@
 """The on-disk cache: a hit skips export and matches eager; a different graph misses.
 
-An entry that is damaged, malformed or swapped is dropped with a warning and rebuilt,
-never used and never a crash.
+An entry that is damaged, malformed, swapped or a link is dropped with a warning and
+rebuilt, never used and never a crash; concurrent writers leave good entries.
 """
 
 from __future__ import annotations
@@ -10,8 +10,14 @@ import copy
 import hashlib
 import json
 import logging
+import os
 import random
 import struct
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +25,7 @@ from conftest import assert_ran_in_ort
 from torch import nn
 
 import ortlab
+from ortlab.runtime.cache import CacheEntry, load_entry, stage_model, store_entry
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -277,3 +284,93 @@ def test_files_swapped_between_entries_are_caught(tmp_path, caplog, swap):
     assert cached(om) == 0 and len(messages(caplog, DROPPED)) == 2
     caplog.clear()
     assert cached(run_cached(tmp_path, base, x)) == 2 and not messages(caplog, DROPPED)
+
+
+def test_a_symlinked_entry_file_is_never_followed(tmp_path, caplog):
+    """A link in the folder pointing at a valid model elsewhere: dropped (the link, not its target) and rebuilt."""
+    cache = tmp_path / "cache"
+    base, x = populate(cache)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    for model, meta in entry_files(cache):
+        (outside / model.name).write_bytes(model.read_bytes())
+        model.unlink()
+        model.symlink_to(outside / model.name)
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    om = run_cached(cache, base, x)
+    assert cached(om) == 0 and len(messages(caplog, "symbolic link")) == 2
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before  # never read through, never written
+    assert all(m.is_file() and not m.is_symlink() for m, _ in entry_files(cache))
+
+
+# ----------------------------------------------------------------------------------- concurrency
+def test_concurrent_writers_and_readers_of_one_entry(tmp_path, caplog):
+    """Three threads write one entry, each its own model, while two read it: every read is one writer's
+    model with that writer's metadata (nothing dropped), and the entry left is valid (Note [Two writers
+    of one entry]); the metadata's input count names the writer."""
+    entry = CacheEntry(str(tmp_path), "0" * 32)
+    models = {w: f"model of writer {w}\n".encode() * 4000 for w in range(3)}  # ~70 KB: a write takes a while
+    stop = threading.Event()
+    seen: list[tuple[bytes, int]] = []
+
+    def write(w: int) -> None:
+        for _ in range(30):
+            staged = stage_model(entry)
+            with open(staged, "wb") as f:
+                f.write(models[w])
+            assert store_entry(entry, staged, ["tensor"] * (w + 1), ["tensor"], [torch.float32], [None])
+
+    def read() -> None:
+        while not stop.is_set():
+            got = load_entry(entry)
+            if got is not None:
+                seen.append((got.data, len(got.input_kinds)))
+
+    with ThreadPoolExecutor(5) as pool:
+        readers = [pool.submit(read) for _ in range(2)]
+        writers = [pool.submit(write, w) for w in range(3)]
+        for f in writers:
+            f.result()
+        stop.set()
+        for f in readers:
+            f.result()
+    assert not messages(caplog, DROPPED)
+    assert seen and all(data == models[n - 1] for data, n in seen)
+    final = load_entry(entry)
+    assert final is not None and final.data == models[len(final.input_kinds) - 1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{'0' * 32}.onnx", f"{'0' * 32}.json",
+                                                                 "ortlab-cache.lock"])  # no staged file left
+
+
+_WRITER = """
+import copy, sys, torch, ortlab
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+eager = copy.deepcopy(net)
+om = ortlab.ORTModule(net, cache_dir=sys.argv[1], fallback="raise")
+for _ in range(3):
+    x = torch.randn(4, 6)
+    out, ref = om(x), eager(x)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    out.sum().backward()
+    ref.sum().backward()
+    for p, q in zip(eager.parameters(), om.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5)
+print(sum(g.cached for c in om.report.captures for g in c.graphs))
+"""
+
+
+def test_two_processes_building_one_graph_at_once(tmp_path):
+    """Two processes start on an empty folder at once and write the same entries: both match eager, and
+    the entries they leave are valid."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(ortlab.__file__).parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0, err[-3000:]
+        assert DROPPED not in err, err[-3000:]
+    assert len(entry_files(tmp_path)) == 2
+    assert all(load_entry(CacheEntry(str(tmp_path), m.stem)) is not None for m, _ in entry_files(tmp_path))
+    assert not list(tmp_path.glob(".*.tmp"))  # no staged file left

@@ -23,11 +23,22 @@ guards), and once the session is built, its inputs and outputs against the metad
 and the graph is exported again, so the next process finds a good entry instead of
 failing the same way (before, a malformed entry crashed ``forward`` with a
 ``StopIteration`` or sent the graph to PyTorch in every later process).
+
+Note [Two writers of one entry]
+Two processes (or threads) can build the same graph at once. onnxruntime writes the
+optimized model into a staged file of the cache folder; the entry is committed under
+the folder's lock (``ortlab._cache_files.folder_lock``): the model first, then the
+metadata, each with ``os.replace``. Readers take the same lock, so they see both files
+of one writer or the files of no writer, never the model of one and the metadata of
+another, and a reader never removes an entry a writer is completing. A writer killed
+between the two renames leaves a model whose checksum the old metadata does not
+match: dropped and rebuilt on the next load.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -39,7 +50,7 @@ import onnxruntime as ort
 import torch
 import torch.fx
 
-from ortlab._cache_files import MISSING, discard, read_file, stage_file, write_atomic
+from ortlab._cache_files import MISSING, discard, folder_lock, read_file, stage_file, write_atomic
 from ortlab._compat.torch import unset_fake_temporarily
 from ortlab._versions import library_versions
 from ortlab.onnx.guards import IndexGuard
@@ -128,6 +139,11 @@ def _digest(data: bytes) -> str:
 
 def drop_entry(entry: CacheEntry, reason: str) -> None:
     """Remove an entry that cannot be trusted, with a warning saying why (the graph is exported again)."""
+    with folder_lock(entry.folder):
+        _drop(entry, reason)
+
+
+def _drop(entry: CacheEntry, reason: str) -> None:  # under the folder's lock
     logger.warning("ortlab: dropping cache entry %s (%s); the graph is exported again and the entry rewritten",
                    entry.meta_path, reason)
     entry.remove()
@@ -135,22 +151,24 @@ def drop_entry(entry: CacheEntry, reason: str) -> None:
 
 def load_entry(entry: CacheEntry) -> CachedModel | None:
     """The checked entry, or None: missing, or dropped with a warning (see Note [Trusting a cache entry])."""
-    try:
-        raw = read_file(entry.meta_path)
-        data = read_file(entry.model_path)
-    except OSError as e:
-        if e.errno in MISSING:
-            return None
-        reason = f"cannot read it: {e.strerror or e}"
-    else:
+    with folder_lock(entry.folder):
         try:
-            reason, cached = _parse(raw, data, entry.key)
-        except Exception as e:  # untrusted bytes: a gap in the checks must drop the entry, not fail the graph
-            reason, cached = f"unreadable: {type(e).__name__}: {e}", None
-        if cached is not None:
-            return cached
-    drop_entry(entry, reason)
-    return None
+            raw = read_file(entry.meta_path)
+            data = read_file(entry.model_path)
+        except OSError as e:
+            if e.errno in MISSING:
+                return None
+            link = e.errno == errno.ELOOP  # O_NOFOLLOW met a link: never followed, removed
+            reason = "a file of it is a symbolic link" if link else f"cannot read it: {e.strerror or e}"
+        else:
+            try:
+                reason, cached = _parse(raw, data, entry.key)
+            except Exception as e:  # untrusted bytes: a gap in the checks must drop the entry, not fail the graph
+                reason, cached = f"unreadable: {type(e).__name__}: {e}", None
+            if cached is not None:
+                return cached
+        _drop(entry, reason)
+        return None
 
 
 def _parse(raw: bytes, data: bytes, key: str) -> tuple[str, CachedModel | None]:
@@ -262,8 +280,8 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
     """Commit ``staged`` (the model onnxruntime wrote) as the entry's model, with the runner's metadata.
 
     ``provenance`` maps node names to their source (onnxruntime's optimized model has
-    lost the nodes' ``ortlab.*`` metadata). The model is replaced before the metadata, each
-    with ``os.replace``, so a reader never sees half a file. Returns whether the entry was written.
+    lost the nodes' ``ortlab.*`` metadata). See Note [Two writers of one entry]. Returns
+    whether the entry was written.
 
     Raises:
         OSError: the folder takes no writes (the staged file is removed).
@@ -285,8 +303,9 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
             "guards": [g.to_dict() for g in guards or []],
         }
         meta["sha256"] = _digest(_canonical(meta))
-        os.replace(staged, entry.model_path)  # the model first: metadata never names a model not there
-        write_atomic(entry.meta_path, json.dumps(meta).encode())
+        with folder_lock(entry.folder):
+            os.replace(staged, entry.model_path)  # the model first: metadata never names a model not there
+            write_atomic(entry.meta_path, json.dumps(meta).encode())
         return True
     except OSError:
         discard(staged)
