@@ -1,7 +1,8 @@
 """The on-disk cache: a hit skips export and matches eager; a different graph misses.
 
-An entry that is damaged, malformed, swapped or a link is dropped with a warning and
-rebuilt, never used and never a crash; concurrent writers leave good entries.
+An entry (or the torchlib op list) that is damaged, malformed, swapped or a link is
+dropped with a warning and rebuilt, never used and never a crash; concurrent writers
+leave good entries.
 """
 
 from __future__ import annotations
@@ -284,6 +285,34 @@ def test_files_swapped_between_entries_are_caught(tmp_path, caplog, swap):
     assert cached(om) == 0 and len(messages(caplog, DROPPED)) == 2
     caplog.clear()
     assert cached(run_cached(tmp_path, base, x)) == 2 and not messages(caplog, DROPPED)
+
+
+def test_a_damaged_torchlib_op_list_is_rebuilt(tmp_path, caplog):
+    """The op list decides which ops run in PyTorch: a damaged one is rebuilt from the registry, with a warning."""
+    from ortlab.torchlib import translated_ops
+
+    def read() -> frozenset[str]:
+        return translated_ops.__wrapped__(str(tmp_path))  # past the in-process lru_cache
+
+    reference = translated_ops()
+    assert read() == reference
+    (path,) = tmp_path.glob("torchlib-ops-*.json")
+    good = json.loads(path.read_bytes())
+    names = good["ops"]
+    assert "aten::add.Tensor" in names
+    flipped = [n.replace("aten::add.Tensor", "aten::adf.Tensor") for n in names]
+    variants = [b"", b"null", b"[]", b"{}", b"\xff", json.dumps(names).encode(),
+                json.dumps([n for n in names if n != "aten::add.Tensor"]).encode(),
+                json.dumps({**good, "ops": flipped}).encode(), json.dumps({**good, "format": 2}).encode(),
+                json.dumps({**good, "versions": "other"}).encode(), json.dumps({**good, "ops": names + [1]}).encode(),
+                json.dumps({**good, "ops": []}).encode(), json.dumps({**good, "sha256": None}).encode()]
+    for variant in variants:
+        caplog.clear()
+        path.write_bytes(variant)
+        assert read() == reference, variant[:40]
+        assert len(messages(caplog, "malformed torchlib op list")) == 1, variant[:40]
+        caplog.clear()
+        assert read() == reference and not caplog.records  # rewritten
 
 
 def test_a_symlinked_entry_file_is_never_followed(tmp_path, caplog):
