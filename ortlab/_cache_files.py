@@ -1,14 +1,24 @@
-"""Files of the on-disk cache (``cache_dir``): safe reads, atomic writes, the lock.
+"""Files of the on-disk cache (``cache_dir``): the folder's checks, safe reads, atomic writes, the lock.
 
-The models' entries (``ortlab.runtime.cache``) live in ``cache_dir``; this module is
-the one place that opens its files and writes them.
+The models' entries (``ortlab.runtime.cache``) and the torchlib op list
+(``ortlab.torchlib``) both live in ``cache_dir``; this module is the one place that
+creates the folder, opens its files and writes them.
 
-Note [Links in the cache folder]
+Note [Who may write the cache folder]
 An entry is a model onnxruntime runs and the metadata the runner trusts (which output
-goes where). Files are opened with ``O_NOFOLLOW`` and must be regular files of the
-process's user (or root), so a link planted in the folder never sends a read
-elsewhere; writes go through ``os.replace``, which replaces a link rather than writing
-through it.
+goes where): whoever can write into the folder decides what a training step computes.
+So the folder is created 0700, and an existing folder is refused (``ConfigError``, when
+the options are validated) if a user other than ours (or root) owns it, or its group or
+others may write to it. Raising rather than running without the cache: the folder was
+named on purpose (``cache_dir=`` or ``ORTLAB_CACHE_DIR``), the check runs when the
+ORTModule is built, before any step, and the fix is one ``chmod 700`` or another folder;
+a warning would let a shared, writable folder keep running as a slow, silent
+"no cache" and hide what is wrong with it. Root may own the folder (as OpenSSH's
+StrictModes allows): root can change the process's own code anyway, and a cache built
+by root in an image, read-only to the user, is a fair use. Files are opened with
+``O_NOFOLLOW`` and must be regular files of the same owners, so a link planted in the
+folder never sends a read elsewhere; writes go through ``os.replace``, which replaces
+a link rather than writing through it.
 """
 
 from __future__ import annotations
@@ -20,12 +30,15 @@ import stat
 import tempfile
 from collections.abc import Iterator
 
+from ortlab.errors import ConfigError
+
 try:  # POSIX; without it the lock is a no-op and the entries' checksums catch torn pairs
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["read_file", "write_atomic", "stage_file", "discard", "folder_lock", "LOCK_NAME", "MISSING"]
+__all__ = ["prepare_folder", "read_file", "write_atomic", "stage_file", "discard", "folder_lock", "LOCK_NAME",
+           "MISSING"]
 
 LOCK_NAME = "ortlab-cache.lock"
 # errno values of a read that means "no such entry" (the folder itself may be gone).
@@ -37,6 +50,47 @@ _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 def _trusted_owners() -> tuple[int, ...]:
     euid = getattr(os, "geteuid", lambda: -1)()
     return (euid, 0)
+
+
+def prepare_folder(path: str) -> None:
+    """Create the cache folder 0700, or check that an existing one is safe to use.
+
+    See Note [Who may write the cache folder].
+
+    Raises:
+        ConfigError: the folder cannot be created, is not a folder, is owned by another
+            user, or its group or others may write to it.
+
+    Example:
+        >>> prepare_folder("/tmp/ortlab-cache-doctest")  # doctest: +SKIP
+    """
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cache_dir {path!r} cannot be created or used as a folder ({e}); give a folder you own "
+            "(it is created 0700 if missing), or leave cache_dir unset."
+        ) from e
+    if not hasattr(os, "geteuid"):  # pragma: no cover - Windows: no POSIX owners or mode bits
+        return
+    owners = _trusted_owners()
+    link = os.lstat(path)
+    if stat.S_ISLNK(link.st_mode) and link.st_uid not in owners:
+        raise ConfigError(
+            f"cache_dir {path!r} is a symbolic link owned by user {link.st_uid}, not by you (user {owners[0]}): "
+            "whoever owns it decides where ortlab's models are read from. Give the real folder instead."
+        )
+    st = os.stat(path)
+    if st.st_uid not in owners:
+        raise ConfigError(
+            f"cache_dir {path!r} is owned by user {st.st_uid}, not by you (user {owners[0]}): its owner could "
+            "replace the models ortlab runs. Use a folder of your own (it is created 0700 if missing)."
+        )
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise ConfigError(
+            f"cache_dir {path!r} has mode {stat.S_IMODE(st.st_mode):04o}: its group or others may write to it and "
+            f"so replace the models ortlab runs. Run `chmod 700 {path}` or use a folder of your own."
+        )
 
 
 def read_file(path: str) -> bytes:

@@ -1,8 +1,8 @@
 """The on-disk cache: a hit skips export and matches eager; a different graph misses.
 
 An entry (or the torchlib op list) that is damaged, malformed, swapped or a link is
-dropped with a warning and rebuilt, never used and never a crash; concurrent writers
-leave good entries.
+dropped with a warning and rebuilt, never used and never a crash; the folder is
+private; concurrent writers leave good entries.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+import stat
 import struct
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from conftest import assert_ran_in_ort
 from torch import nn
 
 import ortlab
+from ortlab.errors import ConfigError
 from ortlab.runtime.cache import CacheEntry, load_entry, stage_model, store_entry
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -403,3 +405,48 @@ def test_two_processes_building_one_graph_at_once(tmp_path):
     assert len(entry_files(tmp_path)) == 2
     assert all(load_entry(CacheEntry(str(tmp_path), m.stem)) is not None for m, _ in entry_files(tmp_path))
     assert not list(tmp_path.glob(".*.tmp"))  # no staged file left
+
+
+# ----------------------------------------------------------------------------------- permissions
+def test_a_new_cache_folder_is_private(tmp_path):
+    folder = tmp_path / "parent" / "cache"
+    ortlab.ORTModule(Net(nn.Tanh()), cache_dir=str(folder))
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777, 0o722], ids=oct)
+def test_a_cache_folder_others_may_write_is_refused(tmp_path, mode):
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    folder.chmod(mode)
+    with pytest.raises(ConfigError, match=r"its group or others may write to it .*`chmod 700 "):
+        ortlab.ORTModule(Net(nn.Tanh()), cache_dir=str(folder))
+
+
+def test_a_cache_folder_of_another_user_is_refused(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    if os.geteuid() == 0:  # root can give the folder to another user for real
+        os.chown(folder, 4242, -1)
+    else:  # others cannot: be another user instead
+        monkeypatch.setattr(os, "geteuid", lambda: os.getuid() + 4242)
+    with pytest.raises(ConfigError, match=r"is owned by user \d+, not by you .* folder of your own"):
+        ortlab.ORTModule(Net(nn.Tanh()), cache_dir=str(folder))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can make a link owned by another user")
+def test_a_cache_folder_linked_by_another_user_is_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "cache"
+    link.symlink_to(real)
+    os.lchown(link, 4242, -1)
+    with pytest.raises(ConfigError, match="is a symbolic link owned by user 4242"):
+        ortlab.ORTModule(Net(nn.Tanh()), cache_dir=str(link))
+
+
+def test_a_file_as_cache_folder_is_refused(tmp_path):
+    path = tmp_path / "cache"
+    path.write_text("")
+    with pytest.raises(ConfigError, match="cannot be created or used as a folder"):
+        ortlab.ORTModule(Net(nn.Tanh()), cache_dir=str(path))
