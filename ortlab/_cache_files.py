@@ -19,15 +19,23 @@ by root in an image, read-only to the user, is a fair use. Files are opened with
 ``O_NOFOLLOW`` and must be regular files of the same owners, so a link planted in the
 folder never sends a read elsewhere; writes go through ``os.replace``, which replaces
 a link rather than writing through it.
+
+Note [A cache folder that stops taking writes]
+The folder can fill up or turn read-only after the ORTModule was built. Writing is then
+given up for that folder for the rest of the process, with one warning
+(:func:`note_write_failure`): models are still built and run in onnxruntime, entries
+already there are still read, and nothing is retried on every new graph.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import stat
 import tempfile
+import threading
 from collections.abc import Iterator
 
 from ortlab.errors import ConfigError
@@ -37,14 +45,19 @@ try:  # POSIX; without it the lock is a no-op and the entries' checksums catch t
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["prepare_folder", "read_file", "write_atomic", "stage_file", "discard", "folder_lock", "LOCK_NAME",
-           "MISSING"]
+__all__ = ["prepare_folder", "read_file", "write_atomic", "stage_file", "discard", "folder_lock", "writable",
+           "note_write_failure", "LOCK_NAME", "MISSING"]
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = "ortlab-cache.lock"
 # errno values of a read that means "no such entry" (the folder itself may be gone).
 MISSING = (errno.ENOENT, errno.ENOTDIR)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+_unwritable: set[str] = set()
+_unwritable_lock = threading.Lock()
 
 
 def _trusted_owners() -> tuple[int, ...]:
@@ -176,3 +189,23 @@ def folder_lock(folder: str) -> Iterator[None]:
     finally:
         if fd is not None:
             os.close(fd)  # releases the lock
+
+
+def writable(folder: str) -> bool:
+    """Whether this process still writes to ``folder`` (see Note [A cache folder that stops taking writes])."""
+    return os.path.abspath(folder) not in _unwritable
+
+
+def note_write_failure(folder: str, error: BaseException) -> None:
+    """Stop writing to ``folder`` for the rest of the process, warning once."""
+    key = os.path.abspath(folder)
+    with _unwritable_lock:
+        if key in _unwritable:
+            return
+        _unwritable.add(key)
+    reason = f"{type(error).__name__}: {error}".strip()
+    logger.warning(
+        "ortlab: cannot write to the cache folder %s (%s); this process stops storing models there and "
+        "builds them as without a cache (training goes on in onnxruntime). Free space or make the folder "
+        "writable, or choose another cache_dir.", folder, reason,
+    )

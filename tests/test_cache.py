@@ -1,13 +1,14 @@
 """The on-disk cache: a hit skips export and matches eager; a different graph misses.
 
-An entry (or the torchlib op list) that is damaged, malformed, swapped or a link is
-dropped with a warning and rebuilt, never used and never a crash; the folder is
-private; concurrent writers leave good entries.
+An entry that is damaged, malformed, swapped or a link is dropped with a warning and
+rebuilt, never used and never a crash; the folder is private; concurrent writers leave
+good entries; a folder that stops taking writes costs one warning, not the onnxruntime run.
 """
 
 from __future__ import annotations
 
 import copy
+import errno
 import hashlib
 import json
 import logging
@@ -17,6 +18,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -136,6 +138,7 @@ def test_full_cache_hit_skips_building_the_torchlib_registry(tmp_path):
 
 # ------------------------------------------------------------------------------------- integrity
 DROPPED = "dropping cache entry"
+UNWRITABLE = "cannot write to the cache folder"
 
 
 @pytest.fixture(autouse=True)
@@ -401,7 +404,7 @@ def test_two_processes_building_one_graph_at_once(tmp_path):
     results = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, results):
         assert p.returncode == 0, err[-3000:]
-        assert DROPPED not in err, err[-3000:]
+        assert DROPPED not in err and UNWRITABLE not in err, err[-3000:]
     assert len(entry_files(tmp_path)) == 2
     assert all(load_entry(CacheEntry(str(tmp_path), m.stem)) is not None for m, _ in entry_files(tmp_path))
     assert not list(tmp_path.glob(".*.tmp"))  # no staged file left
@@ -450,3 +453,88 @@ def test_a_file_as_cache_folder_is_refused(tmp_path):
     path.write_text("")
     with pytest.raises(ConfigError, match="cannot be created or used as a folder"):
         ortlab.ORTModule(Net(nn.Tanh()), cache_dir=str(path))
+
+
+# ---------------------------------------------------------------------- a folder that stops taking writes
+def train(om: ortlab.ORTModule, eager: nn.Module, batch: int = 4, steps: int = 3) -> None:
+    """A few steps that match eager, all in onnxruntime, from one capture (nothing re-captured per call)."""
+    for _ in range(steps):
+        step(om, eager, torch.randn(batch, 6))
+    assert_ran_in_ort(om)
+    assert len(om.report.captures) == 1
+
+
+def test_a_cache_folder_gone_after_construction(tmp_path, caplog):
+    """The folder is replaced by a file once the module is built, so every file in it fails to open
+    (ENOTDIR; unlike permission bits, this stops root too, and tests run as root here)."""
+    folder = tmp_path / "cache"
+    base = Net(nn.Tanh())
+    om = ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(folder), fallback="raise")
+    folder.rmdir()
+    folder.write_text("no longer a folder")
+    train(om, copy.deepcopy(base))
+    assert cached(om) == 0 and len(messages(caplog, UNWRITABLE)) == 1
+
+
+def test_a_full_cache_folder(tmp_path, caplog, monkeypatch):
+    """Committing a file into the folder fails with ENOSPC (injected into ``os.replace``: a test cannot
+    fill a disk): one warning; later graphs and modules neither write nor warn again; nothing is left."""
+    real = os.replace
+
+    def full(src, dst, *args, **kwargs):
+        if str(dst).startswith(str(tmp_path)):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+        return real(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", full)
+    base = Net(nn.Tanh())
+    train(ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(tmp_path), fallback="raise"), copy.deepcopy(base))
+    train(ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(tmp_path), fallback="raise"), copy.deepcopy(base),
+          batch=5)
+    assert len(messages(caplog, UNWRITABLE)) == 1 and "No space left" in messages(caplog, UNWRITABLE)[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ortlab-cache.lock"]
+
+
+def test_a_read_only_cache_folder_still_serves_its_entries(tmp_path, caplog, monkeypatch):
+    """The folder turns read-only after its entries were written: they are still hits, and a new graph is
+    built and run without storing it, with one warning. Root writes through permission bits, so EROFS is
+    injected where a file would be created or opened for writing in the folder."""
+    base, x = populate(tmp_path)
+    real_mkstemp, real_open = tempfile.mkstemp, os.open
+    writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT
+
+    def refuse(path) -> None:
+        if str(path).startswith(str(tmp_path)):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    def mkstemp(*args, dir=None, **kwargs):
+        refuse(dir)
+        return real_mkstemp(*args, dir=dir, **kwargs)
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & writing:
+            refuse(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(os, "open", open_)
+    assert cached(run_cached(tmp_path, base, x)) == 2 and not caplog.records
+    for batch in (5, 6):  # new sizes: new graphs, built without the cache
+        om = ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(tmp_path), fallback="raise")
+        train(om, copy.deepcopy(base), batch=batch)
+        assert cached(om) == 0
+    assert len(messages(caplog, UNWRITABLE)) == 1 and "Read-only" in messages(caplog, UNWRITABLE)[0]
+    assert len(entry_files(tmp_path)) == 2
+
+
+def test_onnxruntime_failing_to_write_the_model_is_not_the_models_failure(tmp_path, caplog, monkeypatch):
+    """onnxruntime fails the whole session when it cannot write the optimized model (the folder filled up
+    meanwhile; here its staged file lies in a folder that does not exist): the session is built again
+    without writing and runs in onnxruntime, with one warning."""
+    import ortlab.runtime.cache as cache
+
+    monkeypatch.setattr(cache, "stage_file", lambda folder, name: str(tmp_path / "gone" / name))
+    base = Net(nn.Tanh())
+    om = ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(tmp_path), fallback="raise")
+    train(om, copy.deepcopy(base))
+    assert len(messages(caplog, UNWRITABLE)) == 1 and not entry_files(tmp_path)

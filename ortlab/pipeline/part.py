@@ -20,7 +20,7 @@ import onnx
 import torch
 import torch.fx
 
-from ortlab._cache_files import discard
+from ortlab._cache_files import discard, note_write_failure
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import ExportError, SessionError, first_line
 from ortlab.onnx.export import ExportedGraph, export_graph
@@ -165,7 +165,13 @@ class PartBuilder:
     def _session(self, data: bytes, part: str, threads: ThreadChoice, entry: CacheEntry | None,
                  exported: ExportedGraph) -> tuple[BuiltSession, str | None]:
         """The session of ``data``, and the file in the cache folder onnxruntime wrote the optimized model to
-        (None without one); emits the ``execution`` stage."""
+        (None without one); emits the ``execution`` stage.
+
+        See Note [A cache folder that stops taking writes] in ``ortlab._cache_files``: onnxruntime
+        fails the whole session when it cannot write the optimized model, so a session that fails
+        while writing into the cache is built once more without writing, and only a failure
+        then is the model's.
+        """
         ctx = self.ctx
         wants = ctx.stages.wants("execution")
         staged = stage_model(entry) if entry is not None else None
@@ -187,7 +193,16 @@ class PartBuilder:
             try:
                 built = build(target)
             except SessionError as e:
-                raise self._retry(e, exported) from e
+                if staged is None:
+                    raise self._retry(e, exported) from e
+                discard(staged)
+                staged = None
+                target = scratch()
+                try:
+                    built = build(target)
+                except SessionError as again:
+                    raise self._retry(again, exported) from again
+                note_write_failure(entry.folder, e)  # the model is fine: writing it into the cache failed
             self.record.session_s += built.seconds
             if wants and target is not None and os.path.exists(target):
                 with open(target, "rb") as f:

@@ -50,7 +50,16 @@ import onnxruntime as ort
 import torch
 import torch.fx
 
-from ortlab._cache_files import MISSING, discard, folder_lock, read_file, stage_file, write_atomic
+from ortlab._cache_files import (
+    MISSING,
+    discard,
+    folder_lock,
+    note_write_failure,
+    read_file,
+    stage_file,
+    writable,
+    write_atomic,
+)
 from ortlab._compat.torch import unset_fake_temporarily
 from ortlab._versions import library_versions
 from ortlab.onnx.guards import IndexGuard
@@ -265,13 +274,19 @@ def session_mismatch(cached: CachedModel, session: ort.InferenceSession) -> str:
     return ""
 
 
-def stage_model(entry: CacheEntry) -> str:
+def stage_model(entry: CacheEntry) -> str | None:
     """A staged file in the cache folder for onnxruntime to write the optimized model to.
 
-    Raises:
-        OSError: the folder takes no new file.
+    None when the folder takes no writes (warned once; see Note [A cache folder that
+    stops taking writes] in ``ortlab._cache_files``).
     """
-    return stage_file(entry.folder, f"{entry.key}.onnx")
+    if not writable(entry.folder):
+        return None
+    try:
+        return stage_file(entry.folder, f"{entry.key}.onnx")
+    except OSError as e:
+        note_write_failure(entry.folder, e)
+        return None
 
 
 def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds: list, output_dtypes: list,
@@ -281,10 +296,7 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
 
     ``provenance`` maps node names to their source (onnxruntime's optimized model has
     lost the nodes' ``ortlab.*`` metadata). See Note [Two writers of one entry]. Returns
-    whether the entry was written.
-
-    Raises:
-        OSError: the folder takes no writes (the staged file is removed).
+    whether the entry was written; a folder that takes no writes is warned about once.
     """
     try:
         model = read_file(staged)
@@ -307,6 +319,7 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
             os.replace(staged, entry.model_path)  # the model first: metadata never names a model not there
             write_atomic(entry.meta_path, json.dumps(meta).encode())
         return True
-    except OSError:
+    except OSError as e:
         discard(staged)
-        raise
+        note_write_failure(entry.folder, e)
+        return False

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ortlab._cache_files import MISSING, read_file, write_atomic
+from ortlab._cache_files import MISSING, note_write_failure, read_file, writable, write_atomic
 from ortlab._compat.torch import EXPORTER_LOGGERS, OpOverload, torchlib_registry
 from ortlab._versions import library_versions
 
@@ -119,13 +119,13 @@ def translated_ops(cache_dir: str | None = None) -> frozenset[str]:
             return names
     registry = get_registry()
     found = frozenset(n for n in (key if isinstance(key, str) else _callable_key(key) for key in registry.functions) if n)
-    if path is not None:
+    if path is not None and writable(cache_dir):
         ops = sorted(found)
         data = {"format": _OPS_FORMAT, "versions": library_versions(), "ops": ops, "sha256": _ops_digest(ops)}
         try:
             write_atomic(path, json.dumps(data).encode())
         except OSError as e:
-            logger.debug("could not write %s: %s", path, e)
+            note_write_failure(cache_dir, e)
     return found
 
 
