@@ -29,6 +29,7 @@ import os
 from collections.abc import Sequence
 from typing import Union
 
+from ortlab._cache_files import prepare_folder
 from ortlab.errors import ConfigError
 
 __all__ = ["LogLevel", "DebugOptions", "Options", "RECOMPUTE_PRESETS", "OPT_LEVELS", "tune_openmp_enabled"]
@@ -239,8 +240,8 @@ class Options:
             bad = [s for s in self.recompute if not isinstance(s, str) or not s]
             if bad:
                 raise ConfigError(f"recompute selectors must be non-empty strings, got {bad!r}.")
-        if self.cache_dir is not None:
-            os.makedirs(self.cache_dir, exist_ok=True)
+        if self.cache_dir is not None:  # see Note [Who may write the cache folder] in ortlab._cache_files
+            prepare_folder(self.cache_dir)
         if isinstance(self.fallback_ops, str):
             raise ConfigError(f"fallback_ops takes a list of op names, e.g. [{self.fallback_ops!r}].")
         self.fallback_ops = tuple(self.fallback_ops)

@@ -20,6 +20,7 @@ import onnx
 import torch
 import torch.fx
 
+from ortlab._cache_files import discard, note_write_failure
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import ExportError, SessionError, first_line
 from ortlab.onnx.export import ExportedGraph, export_graph
@@ -27,7 +28,15 @@ from ortlab.onnx.optimize import optimize_exported
 from ortlab.placement import Placement, culprits
 from ortlab.provenance import node_provenance
 from ortlab.report import GraphRecord, PartRecord
-from ortlab.runtime.cache import CacheEntry, cache_key, load_entry, store_meta
+from ortlab.runtime.cache import (
+    CacheEntry,
+    cache_key,
+    drop_entry,
+    load_entry,
+    session_mismatch,
+    stage_model,
+    store_entry,
+)
 from ortlab.runtime.kernels import missing_kernels
 from ortlab.runtime.observe import GraphObserver, observed_part
 from ortlab.runtime.runner import OrtRunner
@@ -138,10 +147,10 @@ class PartBuilder:
             if ctx.stages.wants("onnxscript"):
                 ctx.stages.emit(self._artifact("onnxscript", part, exported.model, optimized.seconds))
         data = exported.to_bytes()
-        built = self._session(data, part, threads, entry, exported)
-        if entry is not None:
-            store_meta(entry, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
-                       exported.output_sources, node_provenance(exported.model), exported.guards)
+        built, staged = self._session(data, part, threads, entry, exported)
+        if staged is not None:
+            store_entry(entry, staged, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
+                        exported.output_sources, node_provenance(exported.model), exported.guards)
         self._emit_levels(data, part)
         self._count(exported.op_counts())
         runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
@@ -154,30 +163,56 @@ class PartBuilder:
         return label(self.ctx.capture, self.record.name, part)
 
     def _session(self, data: bytes, part: str, threads: ThreadChoice, entry: CacheEntry | None,
-                 exported: ExportedGraph) -> BuiltSession:
-        """The session of ``data``, writing the optimized model to the cache and the ``execution`` stage."""
+                 exported: ExportedGraph) -> tuple[BuiltSession, str | None]:
+        """The session of ``data``, and the file in the cache folder onnxruntime wrote the optimized model to
+        (None without one); emits the ``execution`` stage.
+
+        See Note [A cache folder that stops taking writes] in ``ortlab._cache_files``: onnxruntime
+        fails the whole session when it cannot write the optimized model, so a session that fails
+        while writing into the cache is built once more without writing, and only a failure
+        then is the model's.
+        """
         ctx = self.ctx
         wants = ctx.stages.wants("execution")
-        target = entry.model_path if entry is not None else None
+        staged = stage_model(entry) if entry is not None else None
         temp = None
-        if wants and target is None:
-            fd, temp = tempfile.mkstemp(suffix=".onnx", prefix="ortlab_execution_")
-            os.close(fd)
-            target = temp
+
+        def build(target: str | None) -> BuiltSession:
+            return build_session(data, ctx.options, ctx.debug, device_type=ctx.device.type,
+                                 providers=self.providers.providers, threads=threads, optimized_path=target)
+
+        def scratch() -> str | None:  # where the execution stage is written without the cache
+            nonlocal temp
+            if wants:
+                fd, temp = tempfile.mkstemp(suffix=".onnx", prefix="ortlab_execution_")
+                os.close(fd)
+            return temp
+
+        target = staged if staged is not None else scratch()
         try:
             try:
-                built = build_session(data, ctx.options, ctx.debug, device_type=ctx.device.type,
-                                      providers=self.providers.providers, threads=threads, optimized_path=target)
+                built = build(target)
             except SessionError as e:
-                raise self._retry(e, exported) from e
+                if staged is None:
+                    raise self._retry(e, exported) from e
+                discard(staged)
+                staged = None
+                target = scratch()
+                try:
+                    built = build(target)
+                except SessionError as again:
+                    raise self._retry(again, exported) from again
+                note_write_failure(entry.folder, e)  # the model is fine: writing it into the cache failed
             self.record.session_s += built.seconds
             if wants and target is not None and os.path.exists(target):
                 with open(target, "rb") as f:
                     ctx.stages.emit(self._artifact("execution", part, f.read(), built.seconds))
+        except BaseException:
+            discard(staged)
+            raise
         finally:
-            if temp is not None and os.path.exists(temp):
-                os.remove(temp)
-        return built
+            discard(temp)
+        return built, staged
 
     def _emit_levels(self, data: bytes, part: str) -> None:
         """The model at each onnxruntime level, for sinks that want them (one session each)."""
@@ -205,26 +240,28 @@ class PartBuilder:
         self.record.ort_partitions += 1
 
     def _from_cache(self, entry: CacheEntry, part: str, threads: ThreadChoice) -> OrtRunner | None:
-        if not entry.exists() or (meta := load_entry(entry)) is None:
+        cached = load_entry(entry)  # checked; see Note [Trusting a cache entry] in ortlab.runtime.cache
+        if cached is None:
             return None
         ctx = self.ctx
         try:
-            with open(entry.model_path, "rb") as f:
-                data = f.read()
             # Already optimized by onnxruntime when it was stored.
-            built = build_session(data, ctx.options, ctx.debug, device_type=ctx.device.type,
+            built = build_session(cached.data, ctx.options, ctx.debug, device_type=ctx.device.type,
                                   providers=self.providers.providers, threads=threads, level="disable")
-        except (OSError, SessionError) as e:
-            logger.warning("ortlab: dropping cache entry %s: %s", entry.model_path, first_line(e))
-            entry.remove()
+        except SessionError as e:
+            drop_entry(entry, first_line(e))
+            return None
+        mismatch = session_mismatch(cached, built.session)
+        if mismatch:
+            drop_entry(entry, mismatch)
             return None
         self.record.session_s += built.seconds
         self.record.cached += 1
         if ctx.stages.wants("execution"):
-            ctx.stages.emit(self._artifact("execution", part, data, built.seconds))
-        self._count(count_ops(onnx.load_from_string(data)))
-        runner = OrtRunner(built.session, meta["input_kinds"], meta["output_kinds"], meta["output_dtypes"],
-                           meta["output_sources"], ctx.device, built.source, meta["guards"])
-        runner.provenance = meta["provenance"]
+            ctx.stages.emit(self._artifact("execution", part, cached.data, built.seconds))
+        self._count(count_ops(onnx.load_from_string(cached.data)))
+        runner = OrtRunner(built.session, cached.input_kinds, cached.output_kinds, cached.output_dtypes,
+                           cached.output_sources, ctx.device, built.source, cached.guards)
+        runner.provenance = cached.provenance
         self.record.parts.append(PartRecord(part, self._label(part), runner, None, "execution"))
         return runner

@@ -9,29 +9,75 @@ onnxruntime and ortlab. It never uses the module's repr: ORTModule's cache keyed
 An entry is the onnxruntime-optimized model (``{key}.onnx``) and what the runner
 needs to call it (``{key}.json``). A hit skips the ONNX export, onnxscript's
 optimizer and onnxruntime's graph optimizations.
+
+Note [Trusting a cache entry]
+A single flipped bit in a cached model can leave a valid ONNX model that computes
+something else (a probe rewired a ``Mul`` input and dropped a ``Gemm`` bias: 4 of 90
+flips loaded and gave wrong numbers), and the metadata tells the runner which output
+is which. So the metadata carries its format, the key it was written for (two entries'
+files swapped are caught), the SHA-256 of the model's bytes and a SHA-256 of its own
+content; every field is checked against what the runner needs (kinds, dtypes from the
+known set, output sources pointing at real inputs and earlier outputs, well-formed
+guards), and once the session is built, its inputs and outputs against the metadata
+(:func:`session_mismatch`). An entry that fails any check is removed with a warning
+and the graph is exported again, so the next process finds a good entry instead of
+failing the same way (before, a malformed entry crashed ``forward`` with a
+``StopIteration`` or sent the graph to PyTorch in every later process).
+
+Note [Two writers of one entry]
+Two processes (or threads) can build the same graph at once. onnxruntime writes the
+optimized model into a staged file of the cache folder; the entry is committed under
+the folder's lock (``ortlab._cache_files.folder_lock``): the model first, then the
+metadata, each with ``os.replace``. Readers take the same lock, so they see both files
+of one writer or the files of no writer, never the model of one and the metadata of
+another, and a reader never removes an entry a writer is completing. A writer killed
+between the two renames leaves a model whose checksum the old metadata does not
+match: dropped and rebuilt on the next load.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import hashlib
 import json
 import logging
 import os
+import re
 from typing import Any
 
+import onnxruntime as ort
 import torch
 import torch.fx
 
+from ortlab._cache_files import (
+    MISSING,
+    discard,
+    folder_lock,
+    note_write_failure,
+    read_file,
+    stage_file,
+    writable,
+    write_atomic,
+)
 from ortlab._compat.torch import unset_fake_temporarily
 from ortlab._versions import library_versions
 from ortlab.onnx.guards import IndexGuard
 
-__all__ = ["cache_key", "CacheEntry", "load_entry", "store_meta"]
+__all__ = ["cache_key", "CacheEntry", "CachedModel", "load_entry", "stage_model", "store_entry", "drop_entry",
+           "session_mismatch", "FORMAT"]
 
 logger = logging.getLogger(__name__)
 
+# 1: the unversioned entries before checksums; 2: format, key, model_sha256 and sha256.
+FORMAT = 2
+
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+_KINDS = ("tensor", "int", "float", "bool")
+_GUARD_LOWEST = ("0", "-size")
+_GUARD_ERRORS = ("IndexError", "RuntimeError")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _placeholder_meta(gm: torch.fx.GraphModule) -> list[str]:
@@ -67,47 +113,213 @@ class CacheEntry:
     """Paths of one entry."""
 
     def __init__(self, folder: str, key: str) -> None:
+        self.folder, self.key = folder, key
         self.model_path = os.path.join(folder, f"{key}.onnx")
         self.meta_path = os.path.join(folder, f"{key}.json")
 
     def exists(self) -> bool:
-        return os.path.exists(self.model_path) and os.path.exists(self.meta_path)
+        return os.path.lexists(self.model_path) and os.path.lexists(self.meta_path)
 
     def remove(self) -> None:
         for path in (self.model_path, self.meta_path):
-            if os.path.exists(path):
-                os.remove(path)
+            discard(path)
 
 
-def store_meta(entry: CacheEntry, input_kinds: list, output_kinds: list, output_dtypes: list,
-               output_sources: list, provenance: dict[str, dict[str, str]] | None = None,
-               guards: list[IndexGuard] | None = None) -> None:
-    """Write the runner metadata of an entry; ``provenance`` maps node names to their source
-    (onnxruntime's optimized model has lost the nodes' ``ortlab.*`` metadata)."""
-    meta = {
-        "input_kinds": input_kinds,
-        "output_kinds": output_kinds,
-        "output_dtypes": [str(d) if d is not None else None for d in output_dtypes],
-        "output_sources": output_sources,
-        "provenance": {k: v for k, v in (provenance or {}).items() if any(v.values())},
-        "guards": [g.to_dict() for g in guards or []],
-    }
-    tmp = entry.meta_path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(meta, f)
-    os.replace(tmp, entry.meta_path)  # the .json appearing last marks the entry complete
+@dataclasses.dataclass(frozen=True)
+class CachedModel:
+    """A checked entry: the model's bytes and what the runner needs to call it."""
+
+    data: bytes
+    input_kinds: list[str]
+    output_kinds: list[str | None]
+    output_dtypes: list[torch.dtype | None]
+    output_sources: list[tuple[str, int] | None]
+    provenance: dict[str, dict[str, str]]
+    guards: list[IndexGuard]
 
 
-def load_entry(entry: CacheEntry) -> dict | None:
-    """The runner metadata of an entry, or None if it is unreadable."""
-    try:
-        with open(entry.meta_path) as f:
-            meta = json.load(f)
-        meta["output_dtypes"] = [_DTYPES[d] if d is not None else None for d in meta["output_dtypes"]]
-        meta["output_sources"] = [tuple(s) if s is not None else None for s in meta["output_sources"]]
-        meta.setdefault("provenance", {})
-        meta["guards"] = [IndexGuard.from_dict(g) for g in meta.get("guards", [])]
-        return meta
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        logger.warning("ignoring unreadable cache entry %s: %s", entry.meta_path, e)
+def _canonical(meta: dict[str, Any]) -> bytes:
+    return json.dumps(meta, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def drop_entry(entry: CacheEntry, reason: str) -> None:
+    """Remove an entry that cannot be trusted, with a warning saying why (the graph is exported again)."""
+    with folder_lock(entry.folder):
+        _drop(entry, reason)
+
+
+def _drop(entry: CacheEntry, reason: str) -> None:  # under the folder's lock
+    logger.warning("ortlab: dropping cache entry %s (%s); the graph is exported again and the entry rewritten",
+                   entry.meta_path, reason)
+    entry.remove()
+
+
+def load_entry(entry: CacheEntry) -> CachedModel | None:
+    """The checked entry, or None: missing, or dropped with a warning (see Note [Trusting a cache entry])."""
+    with folder_lock(entry.folder):
+        try:
+            raw = read_file(entry.meta_path)
+            data = read_file(entry.model_path)
+        except OSError as e:
+            if e.errno in MISSING:
+                return None
+            link = e.errno == errno.ELOOP  # O_NOFOLLOW met a link: never followed, removed
+            reason = "a file of it is a symbolic link" if link else f"cannot read it: {e.strerror or e}"
+        else:
+            try:
+                reason, cached = _parse(raw, data, entry.key)
+            except Exception as e:  # untrusted bytes: a gap in the checks must drop the entry, not fail the graph
+                reason, cached = f"unreadable: {type(e).__name__}: {e}", None
+            if cached is not None:
+                return cached
+        _drop(entry, reason)
         return None
+
+
+def _parse(raw: bytes, data: bytes, key: str) -> tuple[str, CachedModel | None]:
+    """(reason, None) for an entry that fails a check, ("", model) for a good one."""
+    try:
+        meta = json.loads(raw)
+    except ValueError as e:
+        return f"metadata is not JSON: {e}", None
+    if not isinstance(meta, dict):
+        return f"metadata is a {type(meta).__name__}, expected an object", None
+    if type(meta.get("format")) is not int or meta["format"] != FORMAT:
+        return f"format {meta.get('format')!r}, expected {FORMAT} (written by another ortlab version)", None
+    checksum = meta.pop("sha256", None)
+    if not isinstance(checksum, str) or checksum != _digest(_canonical(meta)):
+        return "the metadata's checksum does not match its content", None
+    if meta.get("key") != key:
+        return f"it was written for key {meta.get('key')!r}", None
+    if meta.get("model_sha256") != _digest(data):
+        return "the model's checksum does not match the metadata", None
+    problem = _check_fields(meta)
+    if problem:
+        return problem, None
+    return "", CachedModel(
+        data,
+        list(meta["input_kinds"]),
+        list(meta["output_kinds"]),
+        [_DTYPES[d] if d is not None else None for d in meta["output_dtypes"]],
+        [(s[0], s[1]) if s is not None else None for s in meta["output_sources"]],
+        meta["provenance"],
+        [IndexGuard.from_dict(g) for g in meta["guards"]],
+    )
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _check_fields(meta: dict[str, Any]) -> str:
+    """What is wrong with the runner's fields of ``meta`` ("" if nothing)."""
+    inputs, kinds = meta.get("input_kinds"), meta.get("output_kinds")
+    dtypes, sources = meta.get("output_dtypes"), meta.get("output_sources")
+    if not isinstance(inputs, list) or any(k not in _KINDS for k in inputs):
+        return f"input_kinds must be a list of {_KINDS}"
+    for name, value in (("output_kinds", kinds), ("output_dtypes", dtypes), ("output_sources", sources)):
+        if not isinstance(value, list):
+            return f"{name} must be a list"
+    if not len(kinds) == len(dtypes) == len(sources):
+        return f"output_kinds, output_dtypes and output_sources have {len(kinds)}, {len(dtypes)}, {len(sources)} items"
+    for i, (kind, dtype, source) in enumerate(zip(kinds, dtypes, sources)):
+        if kind is not None and kind not in _KINDS:
+            return f"output_kinds[{i}] is {kind!r}, expected one of {_KINDS} or null"
+        if (dtype is None) != (kind != "tensor") or (dtype is not None and (not isinstance(dtype, str)
+                                                                            or dtype not in _DTYPES)):
+            return f"output_dtypes[{i}] is {dtype!r} for a {kind} output"
+        if source is None:
+            continue
+        if kind is None or not isinstance(source, list) or len(source) != 2 or not _is_int(source[1]):
+            return f"output_sources[{i}] is {source!r}, expected null or ['input'|'output', index]"
+        where, index = source
+        if where == "input":
+            ok = 0 <= index < len(inputs)
+        else:  # an earlier output that onnxruntime produces
+            ok = where == "output" and 0 <= index < i and kinds[index] is not None and sources[index] is None
+        if not ok:
+            return f"output_sources[{i}] is {source!r}, which names no input or earlier output"
+    provenance = meta.get("provenance")
+    if not isinstance(provenance, dict) or not all(
+            isinstance(v, dict) and all(isinstance(x, str) for x in v.values()) for v in provenance.values()):
+        return "provenance must map node names to {field: text}"
+    guards = meta.get("guards")
+    if not isinstance(guards, list):
+        return "guards must be a list"
+    fields = {f.name: f.type for f in dataclasses.fields(IndexGuard)}
+    for i, g in enumerate(guards):
+        if not isinstance(g, dict) or set(g) != set(fields):
+            return f"guards[{i}] must have exactly the fields {sorted(fields)}"
+        if not all(isinstance(g[k], str) for k in ("output", "message", "where")) or not _is_int(g["dim"]) \
+                or g["dim"] < 0 or g["lowest"] not in _GUARD_LOWEST or g["error"] not in _GUARD_ERRORS:
+            return f"guards[{i}] is malformed: {g!r}"
+    return ""
+
+
+def session_mismatch(cached: CachedModel, session: ort.InferenceSession) -> str:
+    """How the session of a cached model disagrees with its metadata ("" if it does not)."""
+    inputs, outputs = session.get_inputs(), [o.name for o in session.get_outputs()]
+    if len(inputs) != len(cached.input_kinds):
+        return f"the model has {len(inputs)} inputs, the metadata {len(cached.input_kinds)}"
+    produced = sum(1 for k, s in zip(cached.output_kinds, cached.output_sources) if k is not None and s is None)
+    if len(outputs) != produced + len(cached.guards):
+        return (f"the model has {len(outputs)} outputs, the metadata {produced} plus {len(cached.guards)} "
+                "index guards")
+    if [g.output for g in cached.guards] != outputs[produced:]:
+        return "the index guards name other outputs than the model's last ones"
+    return ""
+
+
+def stage_model(entry: CacheEntry) -> str | None:
+    """A staged file in the cache folder for onnxruntime to write the optimized model to.
+
+    None when the folder takes no writes (warned once; see Note [A cache folder that
+    stops taking writes] in ``ortlab._cache_files``).
+    """
+    if not writable(entry.folder):
+        return None
+    try:
+        return stage_file(entry.folder, f"{entry.key}.onnx")
+    except OSError as e:
+        note_write_failure(entry.folder, e)
+        return None
+
+
+def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds: list, output_dtypes: list,
+                output_sources: list, provenance: dict[str, dict[str, str]] | None = None,
+                guards: list[IndexGuard] | None = None) -> bool:
+    """Commit ``staged`` (the model onnxruntime wrote) as the entry's model, with the runner's metadata.
+
+    ``provenance`` maps node names to their source (onnxruntime's optimized model has
+    lost the nodes' ``ortlab.*`` metadata). See Note [Two writers of one entry]. Returns
+    whether the entry was written; a folder that takes no writes is warned about once.
+    """
+    try:
+        model = read_file(staged)
+        if not model:  # onnxruntime wrote nothing: nothing worth keeping, and no fault of the folder
+            discard(staged)
+            return False
+        meta: dict[str, Any] = {
+            "format": FORMAT,
+            "key": entry.key,
+            "model_sha256": _digest(model),
+            "input_kinds": list(input_kinds),
+            "output_kinds": list(output_kinds),
+            "output_dtypes": [str(d) if d is not None else None for d in output_dtypes],
+            "output_sources": [list(s) if s is not None else None for s in output_sources],
+            "provenance": {k: v for k, v in (provenance or {}).items() if any(v.values())},
+            "guards": [g.to_dict() for g in guards or []],
+        }
+        meta["sha256"] = _digest(_canonical(meta))
+        with folder_lock(entry.folder):
+            os.replace(staged, entry.model_path)  # the model first: metadata never names a model not there
+            write_atomic(entry.meta_path, json.dumps(meta).encode())
+        return True
+    except OSError as e:
+        discard(staged)
+        note_write_failure(entry.folder, e)
+        return False
