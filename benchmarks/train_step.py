@@ -25,11 +25,14 @@ from pathlib import Path
 
 # Lets the script run from a plain checkout, without `pip install -e .`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-# ortlab is imported before torch, as the README advises: it shortens the spin of PyTorch's
-# OpenMP threads (GOMP_SPINCOUNT, see ortlab/_openmp.py), which eager measured no slower with.
-import ortlab  # noqa: E402, I001
+# torch is imported first, as every user script does; --ortlab-first imports ortlab before
+# torch (its OpenMP settings then apply to PyTorch's pool too, see ortlab/_openmp.py).
+ORTLAB_FIRST = "--ortlab-first" in sys.argv
+if ORTLAB_FIRST:
+    import ortlab  # noqa: E402, I001, F401
+import torch  # noqa: E402, I001
+import ortlab  # noqa: E402, F811
 import onnxruntime  # noqa: E402
-import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 from ortlab.models import GPT, MLP, GPTConfig, TinyMLP, make_batch  # noqa: E402
@@ -206,6 +209,16 @@ def print_table(name: str, results: dict[str, Result]) -> None:
         print(f"{c:<10} " + " ".join(v.rjust(w) for v, w in zip(cells, widths[1:])))
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, run the benchmarks, print the tables and optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -214,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps, the first one timed apart")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list of " + ",".join(CONTENDERS))
     parser.add_argument("--json", type=Path, help="also write the results to this file")
+    parser.add_argument("--ortlab-first", action="store_true", help="import ortlab before torch (default: torch first)")
     args = parser.parse_args(argv)
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = sorted(set(contenders) - set(CONTENDERS))
@@ -225,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     peak = matmul_peak_gflops()
     print(f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, torch threads {torch.get_num_threads()}")
     print(f"PyTorch OpenMP spin: {ortlab._openmp.openmp_state()}")
+    print(f"CPU: {_cpu_model()}; import order: {'ortlab, torch' if ORTLAB_FIRST else 'torch, ortlab'}")
+    from ortlab.runtime.providers import plugin_notes
+    for name, note in plugin_notes().items():
+        print(f"{name}: {note}")
     print(f"fp32 matmul peak (2048x2048 torch.mm): {peak:.1f} GFLOP/s")
     models = MODELS if args.model == "all" else (args.model,)
     all_results: dict[str, dict[str, Result]] = {}

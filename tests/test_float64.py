@@ -40,6 +40,7 @@ CASES = {
     "var": lambda x: x.var(-1),
     "erf": torch.erf,
     "layer_norm": lambda x: F.layer_norm(x, (6,), eps=1e-5 * C),
+    "group_norm": lambda x: F.group_norm(x.view(3, 6, 1) * 2, 2).view(3, 6),
     "smooth_l1": lambda x: F.smooth_l1_loss(x, x * 0, beta=C),
 }
 
@@ -135,5 +136,4 @@ def test_group_norm_on_an_empty_batch():
             out_e.sum().backward()
             torch.testing.assert_close(out, out_e)
             torch.testing.assert_close(x.grad, xe.grad)
-    # onnxruntime's kernel cannot take 0 elements: that op runs in PyTorch, said so
-    assert all(fb.kind == "kernel" and fb.op for fb in om.report.fallbacks)
+    assert not om.report.fallbacks  # an empty batch goes through torch's decomposition

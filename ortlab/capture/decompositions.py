@@ -26,6 +26,11 @@ ops torchlib translates directly) and change it in three places, each a real gap
   float32 saved statistics and onnxruntime refused to run it ("Unexpected input data
   type"). In float64 the op is traced through torch's decomposition (exact float64
   math); other dtypes keep the fused LayerNormalization.
+* ``native_group_norm`` of an empty batch: torchlib's form (and torch's decomposition)
+  reshape to ``(N, G, -1)``, which onnxruntime cannot infer from 0 elements (a raw
+  onnxruntime error in training). An empty batch is traced as a per-channel scale and
+  shift with no views (:func:`native_group_norm_exact`). In float64 it goes through
+  torch's decomposition, for the reason float64 LayerNorm does (above).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from ortlab._compat.torch import OpOverload, aten_decompositions, onnx_friendly_
 from ortlab.torchlib import overload, translated_ops
 
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
-           "flash_attention_for_cpu", "flash_attention_for_cpu_backward"]
+           "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact"]
 
 aten = torch.ops.aten
 
@@ -73,6 +78,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
             table[op] = aten_decompositions[op]
     table[aten.convolution_backward.default] = convolution_backward
     table[aten.native_layer_norm.default] = native_layer_norm_float64
+    table[aten.native_group_norm.default] = native_group_norm_exact
     table[aten._scaled_dot_product_flash_attention_for_cpu.default] = flash_attention_for_cpu
     table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = flash_attention_for_cpu_backward
     return table
@@ -150,6 +156,26 @@ def native_layer_norm_float64(
     if input.dtype != torch.float64:
         return NotImplemented
     return aten_decompositions[aten.native_layer_norm.default](input, normalized_shape, weight, bias, eps)
+
+
+def native_group_norm_exact(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                            n: int, c: int, hxw: int, group: int, eps: float) -> object:
+    """``native_group_norm`` of an empty batch, without views (see the module docstring).
+
+    With no elements, any form with the right shapes is exact: the output is the
+    input scaled and shifted per channel (empty), the weight's and bias's gradients are
+    sums over nothing (zeros, as eager's), and the statistics are empty ``(0, G)``.
+    """
+    if not (isinstance(input.shape[0], int) and input.shape[0] == 0):
+        if input.dtype == torch.float64:  # GroupNormalization keeps its statistics in float32, as LayerNorm
+            return aten_decompositions[aten.native_group_norm.default](input, weight, bias, n, c, hxw, group, eps)
+        return NotImplemented
+    shape = [1, c] + [1] * (input.dim() - 2)
+    out = input * weight.reshape(shape) if weight is not None else input.clone()
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    stats = input.new_zeros((0, group))
+    return out, stats, stats.clone()
 
 
 def convolution_backward(

@@ -40,6 +40,7 @@ from ortlab.runtime.cache import (
 from ortlab.runtime.kernels import missing_kernels
 from ortlab.runtime.observe import GraphObserver, observed_part
 from ortlab.runtime.runner import OrtRunner
+from ortlab.runtime.race import RaceResult, make_race
 from ortlab.runtime.session import (
     BuiltSession,
     ThreadChoice,
@@ -155,9 +156,23 @@ class PartBuilder:
         self._count(exported.op_counts())
         runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
                            exported.output_sources, ctx.device, built.source, exported.guards)
+        self._race(runner, part)
         given = "onnxscript" if ctx.options.graph_optimization_level != "disable" else "exported"
         record.parts.append(PartRecord(part, self._label(part), runner, exported, given))
         return runner
+
+    def _race(self, runner: OrtRunner, part: str) -> None:
+        """Measure the other candidate providers on the part's first call (``ortlab.runtime.race``)."""
+        if not self.providers.candidates or runner.session_source is None:
+            return
+        sources = [dataclasses.replace(runner.session_source, providers=c) for c in self.providers.candidates]
+        where, record = self._label(part), self.record
+
+        def decided(result: RaceResult) -> None:
+            record.notes.append(f"{where} providers: {result.describe()}")
+            logger.info("ortlab: %s providers: %s", where, result.describe())
+
+        runner.race = make_race(sources, decided)
 
     def _label(self, part: str) -> str:
         return label(self.ctx.capture, self.record.name, part)
@@ -263,5 +278,6 @@ class PartBuilder:
         runner = OrtRunner(built.session, cached.input_kinds, cached.output_kinds, cached.output_dtypes,
                            cached.output_sources, ctx.device, built.source, cached.guards)
         runner.provenance = cached.provenance
+        self._race(runner, part)
         self.record.parts.append(PartRecord(part, self._label(part), runner, None, "execution"))
         return runner

@@ -18,6 +18,7 @@ see ``ortlab.runtime.profiling``) and swap it in between calls with
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -81,6 +82,9 @@ class OrtRunner:
         self.session = session
         self.session_source = session_source
         self.guards = guards or []
+        # Called once, on the first call, with (runner, args): measures other execution
+        # providers on the real inputs and swaps in the fastest (``ortlab.runtime.race``).
+        self.race: Callable[[OrtRunner, Sequence[object]], list] | None = None
         # node name -> {fx_node, module, op, source}, set for models loaded from the on-disk
         # cache (their optimized model lost the nodes' metadata); None otherwise.
         self.provenance: dict[str, dict[str, str]] | None = None
@@ -169,6 +173,13 @@ class OrtRunner:
                 "this graph's onnxruntime session was released: its ORTModule was reconfigured (or deleted) "
                 "after the forward ran. Run loss.backward() before calling reconfigure()."
             )
+        if self.race is not None:  # the first real inputs: measure the candidates, keep the fastest
+            race, self.race = self.race, None
+            return race(self, args)
+        return self.run(args)
+
+    def run(self, args: Sequence[object]) -> list:
+        """One run of the current session on ``args`` (``__call__`` without the first-call race)."""
         tensors = [self._as_tensor(a, k) for a, k in zip(args, self.input_kinds)]
         inputs = OrtValueVector()
         inputs.reserve(len(tensors))

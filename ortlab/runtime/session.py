@@ -24,6 +24,7 @@ import onnxruntime as ort
 
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import DeviceError, SessionError, first_line
+from ortlab.runtime.providers import cpu_candidates, is_plugin, plugin
 
 __all__ = [
     "SMALL_GRAPH_FLOPS",
@@ -56,10 +57,15 @@ SMALL_GRAPH_FLOPS = 10_000_000
 
 @dataclasses.dataclass(frozen=True)
 class ProviderChoice:
-    """The execution providers a session runs on, in order of precedence, and why."""
+    """The execution providers a session runs on, in order of precedence, and why.
+
+    ``candidates``: other provider lists to measure against on the first call (the
+    fastest that agrees is kept; see ``ortlab.runtime.race``).
+    """
 
     providers: tuple[str, ...]
     reason: str
+    candidates: tuple[tuple[str, ...], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +83,18 @@ def choose_providers(device_type: str, options: Options) -> ProviderChoice:
         DeviceError: for CUDA tensors without onnxruntime-gpu, or another device type.
     """
     if options.providers is not None:
+        for name in options.providers:
+            if is_plugin(name):
+                plugin(name)  # raises DeviceError saying why it cannot run here
         return ProviderChoice(tuple(options.providers), "pinned by the providers option")
     if device_type == "cpu":
-        return ProviderChoice(("CPUExecutionProvider",), "the graph's tensors are on the CPU")
+        names, notes = cpu_candidates()
+        why_not = "; ".join(f"{name}: {note}" for name, note in notes.items())
+        reason = "the graph's tensors are on the CPU" + (f" ({why_not})" if why_not else "")
+        others = tuple((name,) for name in names if name != "CPUExecutionProvider")
+        if others:
+            reason += f"; measured against {', '.join(o[0] for o in others)} on the first call"
+        return ProviderChoice(("CPUExecutionProvider",), reason, others)
     if device_type == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             raise DeviceError(
@@ -245,7 +260,24 @@ def _build(source: SessionSource, optimized_path: str | None, profile_prefix: st
     start = time.perf_counter()
     so = _session_options(source.level, source.log_severity, source.threads, optimized_path, profile_prefix)
     try:
-        session = ort.InferenceSession(source.model, sess_options=so, providers=list(source.providers))
+        if source.providers and is_plugin(source.providers[0]):
+            # A plugin provider takes its devices; onnxruntime adds the CPU provider after it.
+            ep = plugin(source.providers[0])
+            so.add_provider_for_devices(list(ep.devices), ep.options)
+            session = ort.InferenceSession(source.model, sess_options=so)
+        else:
+            missing = [p for p in source.providers if p not in ort.get_available_providers()]
+            if missing:
+                raise SessionError(f"onnxruntime has no {', '.join(missing)} here (available: "
+                                   f"{', '.join(ort.get_available_providers())})")
+            session = ort.InferenceSession(source.model, sess_options=so, providers=list(source.providers))
+        if source.providers and source.providers[0] not in session.get_providers():
+            # onnxruntime falls back to the CPU provider for an unknown one, printing to stdout only.
+            raise SessionError(f"onnxruntime has no {source.providers[0]} here (it would have run on "
+                               f"{', '.join(session.get_providers())}; available: "
+                               f"{', '.join(ort.get_available_providers())})")
+    except (DeviceError, SessionError):
+        raise
     except Exception as e:  # onnxruntime raises its own pybind exception types
         raise SessionError(f"onnxruntime could not create a session: {e}") from e
     return BuiltSession(session, source, ProviderChoice(source.providers, "as its source"),

@@ -1,0 +1,140 @@
+"""Execution providers this process can run a graph on, and why not the others.
+
+onnxruntime (1.23+) loads execution providers as plugin libraries
+(``register_execution_provider_library``), each offering devices (``get_ep_devices``) that
+a session takes through ``SessionOptions.add_provider_for_devices``. ortlab knows the
+plugins below by their Python package; a plugin that is installed is registered once per
+process, and each of its CPU devices becomes a candidate beside the built-in CPU provider.
+
+Why a plugin is not a candidate is kept in words (:func:`plugin_notes`): not installed, it
+failed to load, or it offers no device on this machine. The OpenVINO plugin
+(``onnxruntime-ep-openvino``) offers only Intel devices (its factory skips other vendors'
+hardware), so on an AMD CPU it is not loaded, and the report says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import logging
+import threading
+from typing import Any
+
+import onnxruntime as ort
+
+from ortlab.errors import DeviceError, first_line
+
+__all__ = ["PLUGINS", "KnownPlugin", "PluginEP", "plugin", "plugin_eps", "plugin_notes", "is_plugin", "cpu_candidates"]
+
+logger = logging.getLogger(__name__)
+
+INTEL = 0x8086
+
+
+@dataclasses.dataclass(frozen=True)
+class KnownPlugin:
+    """A plugin provider ortlab knows: its package, its session options, the CPU vendors it serves."""
+
+    package: str
+    pip_name: str
+    options: dict[str, str]
+    vendor_ids: frozenset[int] = frozenset()  # empty: any vendor
+
+
+# INFERENCE_PRECISION_HINT=f32: OpenVINO's CPU plugin would otherwise run f32 graphs in
+# bf16 on CPUs with AMX/AVX-512-bf16, far outside the parity tolerance. Its factory offers
+# Intel devices only, so on other CPUs it is not even loaded (loading it costs ~1 s of
+# shared libraries for nothing).
+PLUGINS: dict[str, KnownPlugin] = {
+    "OpenVINOExecutionProvider": KnownPlugin("onnxruntime_ep_openvino", "onnxruntime-ep-openvino",
+                                             {"INFERENCE_PRECISION_HINT": "f32"}, frozenset({INTEL})),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginEP:
+    """A registered plugin provider with the CPU devices it offers here."""
+
+    name: str
+    devices: tuple[Any, ...]  # onnxruntime.OrtEpDevice
+    options: dict[str, str]
+
+
+_LOCK = threading.Lock()
+_FOUND: dict[str, PluginEP] = {}
+_NOTES: dict[str, str] = {}
+_SCANNED: list[bool] = []
+
+
+def _cpu_device() -> tuple[str, int]:
+    """The CPU's vendor name and PCI vendor id, as onnxruntime sees them."""
+    try:
+        device = next(d.device for d in ort.get_ep_devices() if d.ep_name == "CPUExecutionProvider")
+        return device.vendor, device.vendor_id
+    except (StopIteration, AttributeError, RuntimeError):
+        return "unknown", -1
+
+
+def _scan() -> None:
+    with _LOCK:
+        if _SCANNED:
+            return
+        _SCANNED.append(True)
+        if not hasattr(ort, "register_execution_provider_library"):
+            for name in PLUGINS:
+                _NOTES[name] = f"onnxruntime {ort.__version__} cannot load plugin providers (1.23 or later can)"
+            return
+        vendor, vendor_id = _cpu_device()
+        for name, known in PLUGINS.items():
+            if importlib.util.find_spec(known.package) is None:
+                _NOTES[name] = f"not installed (pip install {known.pip_name})"
+                continue
+            if known.vendor_ids and vendor_id not in known.vendor_ids:
+                _NOTES[name] = f"{known.pip_name} serves Intel CPUs only; this one is {vendor}"
+                continue
+            try:
+                module = importlib.import_module(known.package)
+                ort.register_execution_provider_library(f"ortlab_{known.package}", module.get_library_path())
+            except Exception as e:  # noqa: BLE001 - a library that fails to load is noted, never fatal
+                _NOTES[name] = f"{known.pip_name} failed to load: {first_line(e, 200)}"
+                continue
+            devices = tuple(d for d in ort.get_ep_devices()
+                            if d.ep_name == name and d.device.type == ort.OrtHardwareDeviceType.CPU)
+            if not devices:
+                _NOTES[name] = f"{known.pip_name} is installed but offers no device on this CPU ({vendor})"
+                continue
+            _FOUND[name] = PluginEP(name, devices, dict(known.options))
+
+
+def plugin_eps() -> dict[str, PluginEP]:
+    """The plugin providers with a CPU device here, by EP name (registered on first use)."""
+    _scan()
+    return dict(_FOUND)
+
+
+def plugin_notes() -> dict[str, str]:
+    """Why each known plugin provider is not available here, by EP name."""
+    _scan()
+    return dict(_NOTES)
+
+
+def is_plugin(name: str) -> bool:
+    return name in PLUGINS
+
+
+def plugin(name: str) -> PluginEP:
+    """The plugin provider ``name``.
+
+    Raises:
+        DeviceError: when it is not available here, saying why.
+    """
+    found = plugin_eps().get(name)
+    if found is None:
+        raise DeviceError(f"{name} was asked for but cannot run here: {plugin_notes().get(name, 'unknown')}")
+    return found
+
+
+def cpu_candidates() -> tuple[list[str], dict[str, str]]:
+    """The providers a CPU graph may run on (the CPU provider first), and why the others may not."""
+    return ["CPUExecutionProvider", *plugin_eps()], plugin_notes()

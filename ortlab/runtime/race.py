@@ -1,0 +1,130 @@
+"""Measure execution providers on a graph part's first real inputs and keep the fastest that agrees.
+
+Which provider is fastest depends on the graph and the machine (OpenVINO's fused kernels
+win on transformer backwards on the Xeons we measured; small graphs pay its dispatch), so
+ortlab does not guess: the session built with the first provider runs the first call as
+usual, then each other candidate is built from the same model (``SessionSource``) and run
+on the same inputs. A candidate that fails to build, fails to run, or whose outputs differ
+beyond the parity tolerance (rtol 1e-4, atol 1e-5; integers and booleans exactly) is
+dropped with its reason; of the rest, the one with the lowest median time is swapped into
+the runner for every later call. The decision and the times go to the report.
+
+The race runs once per part, on its first call; the outputs returned are the first
+provider's (every candidate kept agreed with them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from ortlab.errors import first_line
+from ortlab.runtime.session import SessionSource
+
+if TYPE_CHECKING:
+    from ortlab.runtime.runner import OrtRunner
+
+__all__ = ["RaceResult", "make_race", "REPEATS", "RTOL", "ATOL"]
+
+REPEATS = 3
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@dataclasses.dataclass
+class RaceResult:
+    """What a race measured: median milliseconds per provider list, and why others were dropped."""
+
+    chosen: tuple[str, ...]
+    times_ms: dict[str, float]
+    dropped: dict[str, str]
+
+    def describe(self) -> str:
+        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.times_ms.items())
+        text = f"{'+'.join(self.chosen)} measured fastest ({times})"
+        for name, why in self.dropped.items():
+            text += f"; {name} dropped: {why}"
+        return text
+
+
+def _name(source: SessionSource | None, taken: dict[str, float]) -> str:
+    name = source.providers[0] if source is not None and source.providers else "default"
+    if name in taken and source is not None:  # the same provider with other settings
+        name += f" ({source.threads or 'default'} threads)"
+    return name
+
+
+def _timed(runner: OrtRunner, args: Sequence[object]) -> tuple[list, float]:
+    """Outputs of a warm-up run, and the median seconds of ``REPEATS`` more."""
+    outputs = runner.run(args)
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        runner.run(args)
+        times.append(time.perf_counter() - start)
+    return outputs, statistics.median(times)
+
+
+def _disagreement(reference: list, outputs: list) -> str:
+    for i, (a, b) in enumerate(zip(reference, outputs)):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                return f"output {i} is {b.dtype}{tuple(b.shape)}, expected {a.dtype}{tuple(a.shape)}"
+            if a.is_floating_point():
+                if not torch.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True):
+                    diff = (a.float() - b.float()).abs().nan_to_num(0).max().item()
+                    return f"output {i} differs by up to {diff:.3g} (tolerance rtol {RTOL}, atol {ATOL})"
+            elif not torch.equal(a, b):
+                return f"output {i} differs (exact match required for {a.dtype})"
+        elif a != b:
+            return f"output {i} is {b!r}, expected {a!r}"
+    return ""
+
+
+def make_race(candidates: Sequence[SessionSource],
+              on_result: Callable[[RaceResult], None]) -> Callable[[OrtRunner, Sequence[object]], list]:
+    """The first-call hook for an ``OrtRunner`` (``runner.race``) measuring ``candidates`` against its session."""
+
+    def race(runner: OrtRunner, args: Sequence[object]) -> list:
+        first = runner.session_source
+        reference, best_s = _timed(runner, args)
+        result = RaceResult(first.providers if first is not None else (), {}, {})
+        result.times_ms[_name(first, result.times_ms)] = best_s * 1e3
+        best = (runner.session, first)
+        for source in candidates:
+            name = _name(source, result.times_ms)
+            try:
+                built = source.rebuild()
+            except Exception as e:  # noqa: BLE001 - a candidate that cannot build is dropped, said why
+                result.dropped[name] = f"could not build a session: {first_line(e, 200)}"
+                continue
+            previous = runner.swap_session(built.session)
+            try:
+                outputs, seconds = _timed(runner, args)
+            except Exception as e:  # noqa: BLE001
+                runner.swap_session(previous)
+                result.dropped[name] = f"failed to run: {first_line(e, 200)}"
+                continue
+            why = _disagreement(reference, outputs)
+            if why:
+                runner.swap_session(previous)
+                result.dropped[name] = why
+                continue
+            result.times_ms[name] = seconds * 1e3
+            if seconds < best_s:
+                best_s, best = seconds, (built.session, source)
+            else:
+                runner.swap_session(previous)
+        session, source = best
+        if runner.session is not session:
+            runner.swap_session(session)
+        runner.session_source = source
+        result.chosen = source.providers if source is not None else ()
+        on_result(result)
+        return reference
+
+    return race

@@ -1,0 +1,92 @@
+"""Execution providers: plugin discovery says why a provider is not used, a pinned one that cannot run
+raises saying why, and the first-call race keeps the fastest session that agrees (dropping the others
+with their reasons)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ortlab
+from ortlab.models import TinyMLP, make_batch
+from ortlab.runtime import providers as providers_module
+from ortlab.runtime.race import RaceResult, make_race
+
+
+def _trained_module() -> ortlab.ORTModule:
+    torch.manual_seed(0)
+    om = ortlab.ORTModule(TinyMLP())
+    x, y = make_batch("tiny", 8)
+    F.cross_entropy(om(x), y).backward()
+    return om
+
+
+def _runners(om: ortlab.ORTModule) -> list:
+    return [p.runner for c in om.report.captures for g in c.graphs for p in g.parts]
+
+
+def test_every_known_plugin_is_a_candidate_or_says_why_not():
+    found, notes = providers_module.plugin_eps(), providers_module.plugin_notes()
+    assert set(found) | set(notes) == set(providers_module.PLUGINS)
+    assert all(notes.values())
+    om = _trained_module()
+    line = om.report.captures[0].graphs[0].providers
+    for name, note in notes.items():  # the report carries each reason
+        assert f"{name}: {note}" in line
+
+
+def test_a_pinned_plugin_that_cannot_run_here_raises_why():
+    notes = providers_module.plugin_notes()
+    if "OpenVINOExecutionProvider" not in notes:
+        pytest.skip("OpenVINO runs here")
+    om = ortlab.ORTModule(TinyMLP(), providers=["OpenVINOExecutionProvider"])
+    with pytest.raises(ortlab.DeviceError, match="OpenVINOExecutionProvider .*cannot run here: " + notes[
+            "OpenVINOExecutionProvider"].split(" ")[0]):
+        om(make_batch("tiny", 8)[0])
+
+
+def test_the_race_keeps_an_agreeing_session_and_drops_what_fails():
+    om = _trained_module()
+    runner = _runners(om)[0]
+    source = runner.session_source
+    results: list[RaceResult] = []
+    candidates = [
+        dataclasses.replace(source, threads=1 if source.threads != 1 else 2),  # the same provider, other threads
+        dataclasses.replace(source, providers=("NoSuchExecutionProvider",)),
+    ]
+    runner.race = make_race(candidates, results.append)
+    x, y = make_batch("tiny", 8)
+    eager = TinyMLP()
+    eager.load_state_dict(om.module.state_dict())
+    torch.testing.assert_close(om(x), eager(x))  # the race ran on this call and returned the right outputs
+    (result,) = results
+    assert len(result.times_ms) == 2 and all(ms > 0 for ms in result.times_ms.values())
+    assert "NoSuchExecutionProvider" in result.dropped
+    assert runner.race is None, "the race runs once"
+    assert "measured fastest" in result.describe()
+    torch.testing.assert_close(om(x), eager(x))  # and whichever session won runs the next calls
+
+
+def test_a_candidate_that_disagrees_is_dropped():
+    om = _trained_module()
+    runner = _runners(om)[0]
+    source = runner.session_source
+    results: list[RaceResult] = []
+    runner.race = make_race([dataclasses.replace(source, threads=2)], results.append)
+    real_run = runner.run
+    calls = {"n": 0}
+
+    def skewed(args):  # noqa: ANN001, ANN202 - the candidate's outputs come out shifted
+        calls["n"] += 1
+        out = real_run(args)
+        return [o + 1 if calls["n"] > 4 and isinstance(o, torch.Tensor) and o.is_floating_point() else o
+                for o in out]
+
+    runner.run = skewed
+    om(make_batch("tiny", 8)[0])
+    (result,) = results
+    assert "differs by up to" in next(iter(result.dropped.values()))
+    assert runner.session_source is source
