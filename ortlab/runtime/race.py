@@ -42,10 +42,11 @@ class RaceResult:
     chosen: tuple[str, ...]
     times_ms: dict[str, float]
     dropped: dict[str, str]
+    seconds: float = 0.0  # what the race itself took (building and running the candidates)
 
     def describe(self) -> str:
         times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.times_ms.items())
-        text = f"{'+'.join(self.chosen)} measured fastest ({times})"
+        text = f"{'+'.join(self.chosen)} measured fastest ({times}; measuring took {self.seconds:.2f} s)"
         for name, why in self.dropped.items():
             text += f"; {name} dropped: {why}"
         return text
@@ -90,6 +91,7 @@ def make_race(candidates: Sequence[SessionSource],
     """The first-call hook for an ``OrtRunner`` (``runner.race``) measuring ``candidates`` against its session."""
 
     def race(runner: OrtRunner, args: Sequence[object]) -> list:
+        start = time.perf_counter()
         first = runner.session_source
         reference, best_s = _timed(runner, args)
         result = RaceResult(first.providers if first is not None else (), {}, {})
@@ -124,6 +126,7 @@ def make_race(candidates: Sequence[SessionSource],
             runner.swap_session(session)
         runner.session_source = source
         result.chosen = source.providers if source is not None else ()
+        result.seconds = time.perf_counter() - start
         on_result(result)
         return reference
 
