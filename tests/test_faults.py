@@ -9,6 +9,7 @@ a stage folder that turns read-only after construction costs a warning, not onnx
 from __future__ import annotations
 
 import copy
+import errno
 import os
 import shutil
 import sys
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import ortlab
+from ortlab.artifacts import FolderSink
 from ortlab.models import TinyMLP
 from ortlab.pipeline import part as part_module
 from ortlab.runtime.runner import OrtRunner
@@ -108,8 +110,9 @@ def test_keyboard_interrupt_during_capture_recovers(monkeypatch):
     assert om.report.captures, "the module captured again and runs in onnxruntime"
 
 
-@pytest.mark.parametrize("break_it", ["read-only", "not a folder"])
-def test_a_stage_folder_that_breaks_after_construction_costs_a_warning_not_onnxruntime(tmp_path, caplog, break_it):
+@pytest.mark.parametrize("break_it", ["read-only", "not a folder", "full"])
+def test_a_stage_folder_that_breaks_after_construction_costs_a_warning_not_onnxruntime(tmp_path, caplog, monkeypatch,
+                                                                                     break_it):
     folder = tmp_path / "stages"
     debug = ortlab.DebugOptions(save_onnx=True, onnx_prefix="m", save_path=str(folder))
     torch.manual_seed(0)
@@ -119,6 +122,11 @@ def test_a_stage_folder_that_breaks_after_construction_costs_a_warning_not_onnxr
         if not sys.platform.startswith("linux") or os.geteuid() == 0:
             pytest.skip("root writes to read-only folders")
         folder.chmod(0o500)
+    elif break_it == "full":
+        def no_space(self, artifact):  # noqa: ANN001, ANN202 - every write fails as on a full disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+
+        monkeypatch.setattr(FolderSink, "accept", no_space)
     else:
         shutil.rmtree(folder, ignore_errors=True)
         folder.write_text("a file where the folder was")

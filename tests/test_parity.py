@@ -754,3 +754,18 @@ def test_multihead_attention_gradients_match(causal):
 
     assert_parity(eager, om, inputs, steps=2, lr=0.1)
     assert_ran_in_ort(om)
+
+
+def test_a_meta_module_propagates_shapes_in_pytorch_and_says_so():
+    """Meta tensors have no data: onnxruntime read a null pointer and returned CPU garbage."""
+    m = nn.Linear(4, 4, device="meta")
+    om = ortlab.ORTModule(m)
+    with pytest.warns(ortlab.FallbackWarning, match="meta tensors"):
+        y = om(torch.randn(2, 4, device="meta"))
+    assert y.device.type == "meta" and y.shape == (2, 4)
+    y.sum().backward()
+    assert m.weight.grad.device.type == "meta"
+    (fb,) = om.report.fallbacks
+    assert fb.scope == "graph"
+    with pytest.raises(ortlab.FallbackError, match="meta tensors"):
+        ortlab.ORTModule(nn.Linear(4, 4, device="meta"), fallback="raise")(torch.randn(2, 4, device="meta"))

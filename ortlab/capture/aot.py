@@ -38,13 +38,15 @@ def rewrite_sdpa(gm: torch.fx.GraphModule) -> int:
 
 
 def graph_device(example_inputs: Sequence[object]) -> torch.device:
-    """The one device a captured graph's tensors live on (CPU for a graph without tensors).
+    """The one device a captured graph's tensors live on (CPU for a graph without tensors;
+    ``meta`` when every tensor is a meta tensor).
 
     Raises:
         DeviceError: when the graph mixes devices.
     """
     devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
-    devices.discard(torch.device("meta"))
+    if len(devices) > 1:
+        devices.discard(torch.device("meta"))  # a meta tensor beside real ones holds no data to move
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
         raise DeviceError(

@@ -75,7 +75,19 @@ class OrtlabBackend:
         rewrite_sdpa(gm)
         if stages.wants("captured"):
             stages.emit(StageArtifact("captured", index, mode, content=gm))
-        ctx = GraphContext(self.options, self.debug, graph_device(example_inputs), index, stages, self.observer)
+        device = graph_device(example_inputs)
+        if device.type == "meta":
+            # Meta tensors have shapes and no data: there is nothing for onnxruntime to compute
+            # (it read a null pointer and returned CPU tensors of garbage). PyTorch propagates shapes.
+            fb = Fallback(scope="graph", where=label(index),
+                          reason="its tensors are meta tensors (no data): PyTorch propagates their shapes")
+            if self.options.fallback == "raise":
+                raise FallbackError(f"graph {label(index)} would run in PyTorch: {fb.reason}")
+            capture.fallbacks.append(fb)
+            warn_fallback(fb)
+            self.report.captures.append(capture)
+            return gm.forward
+        ctx = GraphContext(self.options, self.debug, device, index, stages, self.observer)
         split_s: list[float] = []
 
         def compiler(name: str, graph_mode: str) -> Callable:
