@@ -91,7 +91,7 @@ def _scan() -> None:
                 _NOTES[name] = f"not installed (pip install {known.pip_name})"
                 continue
             if known.vendor_ids and vendor_id not in known.vendor_ids:
-                _NOTES[name] = f"{known.pip_name} serves Intel CPUs only; this one is {vendor}"
+                _NOTES[name] = f"{known.pip_name} serves Intel CPUs only, this one is {vendor}"
                 continue
             try:
                 module = importlib.import_module(known.package)

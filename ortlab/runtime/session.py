@@ -89,8 +89,7 @@ def choose_providers(device_type: str, options: Options) -> ProviderChoice:
         return ProviderChoice(tuple(options.providers), "pinned by the providers option")
     if device_type == "cpu":
         names, notes = cpu_candidates()
-        why_not = "; ".join(f"{name}: {note}" for name, note in notes.items())
-        reason = "the graph's tensors are on the CPU" + (f" ({why_not})" if why_not else "")
+        reason = "the graph's tensors are on the CPU" + "".join(f"; not {name}: {note}" for name, note in notes.items())
         others = tuple((name,) for name in names if name != "CPUExecutionProvider")
         if others:
             reason += f"; measured against {', '.join(o[0] for o in others)} on the first call"
