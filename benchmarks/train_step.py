@@ -39,6 +39,11 @@ from ortlab.models import GPT, MLP, GPTConfig, TinyMLP, make_batch  # noqa: E402
 
 CONTENDERS = ("eager", "compile", "ortlab")
 MODELS = ("tiny", "mlp", "gpt")
+# Real-sized models, run by name (each step takes seconds on 2 cores): a GPT-2-small-sized
+# model (12 layers, d=768, T=256, vocab 50257, batch 4), the same with 50% of the labels
+# ignored (-100), and a BERT-base encoder from a transformers config (random weights, batch 8,
+# T=128, 30% padding).
+LARGE_MODELS = ("gpt2s", "gpt2s-ignore", "bert")
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -84,11 +89,42 @@ def build_model(name: str) -> tuple[nn.Module, Callable[[torch.Generator], Batch
         tokens = batch * cfg.block_size
         flops = 6 * params * tokens + 12 * cfg.n_layers * cfg.block_size**2 * cfg.d_model * batch
         return model, lambda g: make_batch("gpt", batch, g, vocab=cfg.vocab, block_size=cfg.block_size), flops
+    if name in ("gpt2s", "gpt2s-ignore"):
+        cfg, batch = GPTConfig(vocab=50257, d_model=768, n_heads=12, n_layers=12, block_size=256), 4
+        model = GPT(cfg)
+        params = sum(p.numel() for p in model.parameters())
+        flops = 6 * params * batch * cfg.block_size + 12 * cfg.n_layers * cfg.block_size**2 * cfg.d_model * batch
+
+        def draw(g: torch.Generator) -> Batch:
+            idx, targets = make_batch("gpt", batch, g, vocab=cfg.vocab, block_size=cfg.block_size)
+            if name == "gpt2s-ignore":
+                targets = targets.masked_fill(torch.rand(targets.shape, generator=g) < 0.5, -100)
+            return idx, targets
+
+        return model, draw, flops
+    if name == "bert":
+        import transformers
+
+        class BertLoss(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.bert = transformers.BertForSequenceClassification(transformers.BertConfig())
+
+            def forward(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+                return self.bert(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+        def draw_bert(g: torch.Generator) -> tuple:
+            ids = torch.randint(0, 30522, (8, 128), generator=g)
+            lengths = (128 * (1 - 0.6 * torch.rand(8, generator=g))).long()  # 30% padding on average
+            mask = (torch.arange(128)[None, :] < lengths[:, None]).long()
+            return ids, mask, torch.randint(0, 2, (8,), generator=g)
+
+        return BertLoss(), draw_bert, None
     if name == "mlp":
         return MLP((784, 1024, 1024, 10)), lambda g: make_batch("mlp", 256, g), None
     if name == "tiny":
         return TinyMLP(), lambda g: make_batch("tiny", 16, g), None
-    raise ValueError(f"unknown model {name!r}; expected one of {', '.join(MODELS)}")
+    raise ValueError(f"unknown model {name!r}; expected one of {', '.join((*MODELS, *LARGE_MODELS))}")
 
 
 def wrap(contender: str, module: nn.Module) -> nn.Module:
@@ -222,7 +258,8 @@ def _cpu_model() -> str:
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, run the benchmarks, print the tables and optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=(*MODELS, "all"), default="all")
+    parser.add_argument("--model", choices=(*MODELS, *LARGE_MODELS, "all"), default="all",
+                        help="'all' runs " + ", ".join(MODELS) + "; the large ones run by name")
     parser.add_argument("--steps", type=int, default=30, help="measured steps per contender")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps, the first one timed apart")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list of " + ",".join(CONTENDERS))

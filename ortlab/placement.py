@@ -97,6 +97,8 @@ def _float64_with_numbers(node: torch.fx.Node) -> bool:
         return True
     if name in ("aten.add", "aten.sub"):  # exact unless scaled by alpha
         return _inexact_in_float32(node.kwargs.get("alpha"))
+    if name == "aten.pow":  # x ** 1.3 keeps its exponent exact; 1.3 ** x did not
+        return bool(node.args) and _inexact_in_float32(node.args[0])
     return any(_inexact_in_float32(a) for a in (*node.args, *node.kwargs.values()))
 
 
