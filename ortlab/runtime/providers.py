@@ -105,6 +105,8 @@ def _scan() -> None:
                 _NOTES[name] = f"{known.pip_name} is installed but offers no device on this CPU ({vendor})"
                 continue
             _FOUND[name] = PluginEP(name, devices, dict(known.options))
+        for name, note in _NOTES.items():  # once per process; each graph's report line says it too
+            logger.info("ortlab: %s is not used: %s", name, note)
 
 
 def plugin_eps() -> dict[str, PluginEP]:
