@@ -186,6 +186,7 @@ def bench_model(
             opt = torch.optim.SGD(module.parameters(), lr=1e-3)
             model = wrap(c, module)
             for i, batch in enumerate(warm_batches):
+                torch.manual_seed(i)  # the same dropout masks for every contender
                 ms, _ = train_step(model, opt, batch)
                 if i == 0:
                     results[c].first_step_ms = ms
@@ -196,6 +197,7 @@ def bench_model(
     for i, batch in enumerate(batches):
         for c in list(running):
             try:
+                torch.manual_seed(1000 + i)
                 ms, loss = train_step(*running[c], batch)
             except Exception as exc:  # noqa: BLE001
                 fail(c, exc)
