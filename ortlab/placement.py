@@ -77,6 +77,7 @@ _EMPTY_STATS = ("torchlib returns an empty placeholder for this attention kernel
                 "statistics, which its backward reads")
 _SCATTER_RACE = "onnxruntime's ScatterND(reduction=add) races on repeated indices (wrong, non-deterministic sums)"
 
+
 def _inexact_in_float32(value: object) -> bool:
     return isinstance(value, float) and not math.isnan(value) and float(torch.tensor(value, dtype=torch.float32)) != value
 
