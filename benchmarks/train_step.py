@@ -34,10 +34,12 @@ import torch  # noqa: E402, I001
 import ortlab  # noqa: E402, F811
 import onnxruntime  # noqa: E402
 from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from ortlab.models import GPT, MLP, GPTConfig, TinyMLP, make_batch  # noqa: E402
 
-CONTENDERS = ("eager", "compile", "ortlab")
+# "ortlab-dense": ortlab with label sparsity off (the LM head computed for ignored labels too).
+CONTENDERS = ("eager", "compile", "ortlab", "ortlab-dense")
 MODELS = ("tiny", "mlp", "gpt")
 # Real-sized models, run by name (each step takes seconds on 2 cores): a GPT-2-small-sized
 # model (12 layers, d=768, T=256, vocab 50257, batch 4), the same with 50% of the labels
@@ -137,6 +139,10 @@ def wrap(contender: str, module: nn.Module) -> nn.Module:
         import ortlab
 
         return ortlab.ORTModule(module)
+    if contender == "ortlab-dense":
+        import ortlab
+
+        return ortlab.ORTModule(module, label_sparsity=False)
     raise ValueError(f"unknown contender {contender!r}; expected one of {', '.join(CONTENDERS)}")
 
 
@@ -218,7 +224,52 @@ def bench_model(
             r.peak_fraction = r.gflops / peak
     if flops is not None:
         print(f"  estimated step FLOPs: {flops / 1e9:.2f} GFLOP (6*params*tokens + 12*L*T^2*d*B)")
+    if name == "gpt2s-ignore" and flops is not None:
+        _print_sparsity_bound(batches, flops, results)
     return results
+
+
+def _print_sparsity_bound(batches: list[Batch], flops: float, results: dict[str, Result]) -> None:
+    """The most label sparsity can gain, beside what it gained.
+
+    Two bounds: the LM head's share of the step's FLOPs in the ignored rows, and the share of
+    ortlab-dense's step time that the head and loss take on the ignored rows (timed alone, in
+    onnxruntime: the cross-entropy's elementwise work on the (rows, vocab) logits is time the
+    FLOP count does not see).
+    """
+    ignored = statistics.mean((t == -100).float().mean().item() for _, t in batches)
+    tokens = batches[0][1].numel()
+    head = 6 * 768 * 50257 * tokens  # forward 2, backward 4 FLOPs per weight per token
+    bound = flops / (flops - ignored * head)
+    print(f"  label sparsity: {ignored:.1%} of labels ignored; the LM head is {head / flops:.1%} of the step's "
+          f"FLOPs, so skipping its ignored rows gains at most {bound:.3f}x by FLOPs")
+    on, off = results.get("ortlab"), results.get("ortlab-dense")
+    if not (on and off and on.times_ms and off.times_ms):
+        return
+
+    class Head(nn.Module):
+        def forward(self, rows: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(F.linear(rows, w, b), labels)
+
+    w = (torch.randn(50257, 768) * 0.02).requires_grad_()
+    b = torch.zeros(50257, requires_grad=True)
+    rows = torch.randn(tokens, 768, requires_grad=True)
+    labels = torch.randint(0, 50257, (tokens,))
+    head_module = ortlab.ORTModule(Head(), label_sparsity=False)
+    times = []
+    for i in range(6):
+        start = time.perf_counter()
+        head_module(rows, labels, w, b).backward()
+        if i:
+            times.append(time.perf_counter() - start)
+    head_ms = statistics.median(times) * 1e3
+    dense = statistics.median(off.times_ms)
+    time_bound = dense / (dense - ignored * head_ms)
+    gain = dense / statistics.median(on.times_ms)
+    print(f"  the head and loss on all {tokens} rows take {head_ms:.0f} ms of ortlab-dense's {dense:.0f} ms step "
+          f"(timed alone): skipping the ignored rows gains at most {time_bound:.3f}x by time")
+    print(f"  measured: ortlab (sparsity on) vs ortlab-dense (off): {gain:.3f}x "
+          f"(bounds: {bound:.3f}x by FLOPs, {time_bound:.3f}x by time)")
 
 
 def print_table(name: str, results: dict[str, Result]) -> None:
@@ -264,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="'all' runs " + ", ".join(MODELS) + "; the large ones run by name")
     parser.add_argument("--steps", type=int, default=30, help="measured steps per contender")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps, the first one timed apart")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma list of " + ",".join(CONTENDERS))
+    parser.add_argument("--contenders", default="eager,compile,ortlab", help="comma list of " + ",".join(CONTENDERS))
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--ortlab-first", action="store_true", help="import ortlab before torch (default: torch first)")
     args = parser.parse_args(argv)

@@ -178,6 +178,10 @@ class Options:
             small graphs, onnxruntime's default otherwise).
         profile: turn on onnxruntime's profiler in every session (per-kernel
             timings for ``ortlab.monitor`` and ``GraphRecord.runners``).
+        label_sparsity: compute the LM head and its cross-entropy loss only for the labels
+            that count (not ``ignore_index``), when the logits are used by the loss alone
+            (see Note [Label sparsity] in ``ortlab.capture.sparsity``). The report says
+            whether it applied, why, and how many rows it dropped.
         cache_dir: a folder for the on-disk cache of the models onnxruntime runs; a
             later process with the same graph, options and library versions skips
             export and optimization.
@@ -192,6 +196,7 @@ class Options:
     intra_op_num_threads: int | None = None
     cache_dir: str | None = None
     profile: bool = False
+    label_sparsity: bool = True
     from_env: tuple[str, ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self) -> None:

@@ -11,7 +11,6 @@ wrapped module, so a changed attribute is seen by Dynamo's guards and re-capture
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -24,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ortlab._compat.torch import (
+    COMPILE_ISOLATION,
     FAKE_TENSOR_LOGGER,
     BackendCompilerFailed,
     TorchDynamoException,
@@ -99,11 +99,7 @@ _DYNAMO_CONFIG = {
 # Each ORTModule gets its own Dynamo cache and recompile budget where torch supports it
 # (2.12+): otherwise every ORTModule of one class shares the per-code cache, and after
 # 64 of them in a process (a notebook cell re-run 64 times) new ones would fall back.
-_ISOLATED = (
-    {"isolate_recompiles": True, "recompile_limit": 64}
-    if "isolate_recompiles" in inspect.signature(torch.compile).parameters
-    else {}
-)
+# (COMPILE_ISOLATION in ortlab._compat.torch.)
 
 
 def configure_torch() -> None:
@@ -228,7 +224,7 @@ class ORTModule(nn.Module):
             backend=backend,
             dynamic=self._ortlab_options.dynamic,
             fullgraph=self._ortlab_options.fallback == "raise",
-            **_ISOLATED,
+            **COMPILE_ISOLATION,
         )
         object.__setattr__(self, "_ortlab_report", report)
         object.__setattr__(self, "_ortlab_backend", backend)

@@ -132,6 +132,38 @@ class GraphRecord:
 
 
 @dataclasses.dataclass
+class SparsityRecord:
+    """What label sparsity did in one captured graph (one line of the report).
+
+    Attributes:
+        applied: whether the LM head runs on the kept rows only.
+        reason: why it applies or not, in words.
+        module: the head's module path (``head``), ``source`` its line of model code.
+        steps: steps run with it; ``rows``/``dropped``: rows in the last step and how many were dropped;
+        ``total_rows``/``total_dropped``: over all steps.
+    """
+
+    applied: bool
+    reason: str
+    module: str = ""
+    source: str = ""
+    steps: int = 0
+    rows: int = 0
+    dropped: int = 0
+    total_rows: int = 0
+    total_dropped: int = 0
+
+    def __str__(self) -> str:
+        where = ", ".join(w for w in (self.module, self.source) if w)
+        where = f" ({where})" if where else ""
+        if not self.applied:
+            return f"label sparsity: not applied{where}: {self.reason}"
+        counts = (f"last step dropped {self.dropped} of {self.rows} rows; {self.total_dropped} of "
+                  f"{self.total_rows} over {self.steps} step(s)") if self.steps else "no step run yet"
+        return f"label sparsity: on{where}: {self.reason}; {counts}"
+
+
+@dataclasses.dataclass
 class CaptureRecord:
     """One graph Dynamo captured, with what AOTAutograd and the partitioner made of it."""
 
@@ -143,6 +175,8 @@ class CaptureRecord:
     graphs: list[GraphRecord] = dataclasses.field(default_factory=list)
     fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
     files: list[str] = dataclasses.field(default_factory=list)
+    sparsity: SparsityRecord | None = None
+    purpose: str = ""  # why ortlab made this graph itself, e.g. a label-sparsity tail
 
 
 @dataclasses.dataclass
@@ -204,8 +238,10 @@ class Report:
         else:
             lines.append("graph breaks: none")
         for c in self.captures:
-            lines.append(f"graph {stage_label(c.index)} ({c.mode}): {sum(c.fx_ops.values())} captured ops, "
-                         f"capture {c.capture_s:.2f} s")
+            lines.append(f"graph {stage_label(c.index)} ({c.mode}{'; ' + c.purpose if c.purpose else ''}): "
+                         f"{sum(c.fx_ops.values())} captured ops, capture {c.capture_s:.2f} s")
+            if c.sparsity is not None:
+                lines.append(f"  {c.sparsity}")
             for g in c.graphs:
                 top = ", ".join(f"{k} {v}" for k, v in list(g.onnx_ops.items())[:6])
                 lines.append(

@@ -11,6 +11,7 @@ Everything else in ortlab uses torch's public API only. Grouped by what they ser
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,8 @@ __all__ = [
     "FakeTensorMode",
     "unset_fake_temporarily",
     "SDPA_TARGETS",
+    "LINEAR_TARGETS",
+    "COMPILE_ISOLATION",
     "from_dlpack_capsule",
     "ONNX_IR_VERSION",
     "ONNXRegistry",
@@ -151,6 +154,17 @@ FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 # Note [Fused attention targets]: Dynamo records ``F.scaled_dot_product_attention`` as
 # either the public function or its C binding ``torch._C._nn.scaled_dot_product_attention``.
 SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention})
+# Note [Isolated compiles]: each ORTModule (and each label-sparsity tail) gets its own Dynamo
+# cache and recompile budget where torch supports it (2.12+, public torch.compile arguments);
+# otherwise every instance of one class shares the per-code cache and, past the limit, new
+# ones would fall back (see Note [Releasing a module's sessions] in ortlab.ortmodule).
+COMPILE_ISOLATION: dict[str, Any] = (
+    {"isolate_recompiles": True, "recompile_limit": 64}
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters
+    else {}
+)
+# The same for ``F.linear`` (``nn.Linear`` in Dynamo's graph is ``torch._C._nn.linear``).
+LINEAR_TARGETS = frozenset({torch._C._nn.linear, torch.nn.functional.linear})
 
 def tensor_version(t: torch.Tensor) -> int:
     """The version counter in-place ops bump (``Tensor._version``, 1.0+; no public spelling)."""

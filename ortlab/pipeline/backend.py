@@ -9,6 +9,7 @@ graph (``ortlab.capture``), splits it under the recompute policy
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -16,9 +17,10 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx
 
-from ortlab._compat.torch import DYNAMO_CONTROL_FLOW
+from ortlab._compat.torch import COMPILE_ISOLATION, DYNAMO_CONTROL_FLOW
 from ortlab.artifacts import FolderSink
 from ortlab.capture.aot import graph_device, rewrite_sdpa, trace
+from ortlab.capture.sparsity import LabelSparsity, find_label_sparsity
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import CaptureError, DeviceError, FallbackError, first_line
 from ortlab.partition.recompute import partition_joint
@@ -43,8 +45,9 @@ class OrtlabBackend:
     """
 
     def __init__(self, options: Options, debug: DebugOptions, report: Report, observer: GraphObserver | None = None,
-                 sinks: Sequence[StageSink] = ()) -> None:
+                 sinks: Sequence[StageSink] = (), purpose: str = "") -> None:
         self.options = options
+        self.purpose = purpose
         self.debug = debug
         self.report = report
         self.observer = observer
@@ -60,6 +63,27 @@ class OrtlabBackend:
         self.observer = None
         self.sinks = []
 
+    def _with_tail(self, compiled: Callable, cut: LabelSparsity) -> Callable:
+        """``compiled`` (the graph cut before its LM head), then the head and loss on the kept rows.
+
+        The tail is compiled by a backend like this one, sharing its report, observer and sinks,
+        with a symbolic row count (see Note [Label sparsity] in ``ortlab.capture.sparsity``).
+        Dynamo calls what a backend returns with the graph's inputs as arguments; the head's
+        parameters are among them.
+        """
+        options = dataclasses.replace(self.options, label_sparsity=False, dynamic=True)
+        backend = OrtlabBackend(options, self.debug, self.report, self.observer, self.sinks,
+                                purpose=f"label sparsity: the LM head and loss of {label(len(self.report.captures))} "
+                                        "on the kept rows")
+        tail = torch.compile(cut.tail(), backend=backend, dynamic=True, fullgraph=options.fallback == "raise",
+                             **COMPILE_ISOLATION)
+
+        def run(*args: object) -> tuple:
+            weight, bias = cut.params(args)
+            return cut.finish(compiled(*args), weight, bias, tail)
+
+        return run
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable:
         start = time.perf_counter()
         index = len(self.report.captures)
@@ -67,7 +91,7 @@ class OrtlabBackend:
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs
         )
         mode = "train" if needs_grad else "eval"
-        capture = CaptureRecord(index=index, mode=mode, fx_ops=count_ops(gm))
+        capture = CaptureRecord(index=index, mode=mode, fx_ops=count_ops(gm), purpose=self.purpose)
         folder = FolderSink.from_debug(self.debug)
         if folder is not None:
             capture.files = folder.written
@@ -87,6 +111,10 @@ class OrtlabBackend:
             warn_fallback(fb)
             self.report.captures.append(capture)
             return gm.forward
+        cut = find_label_sparsity(gm) if self.options.label_sparsity else None
+        if cut is not None:
+            capture.sparsity = cut.record if isinstance(cut, LabelSparsity) else cut
+        traced = cut.graph if isinstance(cut, LabelSparsity) else gm
         ctx = GraphContext(self.options, self.debug, device, index, stages, self.observer)
         split_s: list[float] = []
 
@@ -111,7 +139,7 @@ class OrtlabBackend:
 
         try:
             compiled = trace(
-                gm,
+                traced,
                 example_inputs,
                 forward=compiler("forward", "train"),
                 backward=compiler("backward", "train"),
@@ -119,6 +147,8 @@ class OrtlabBackend:
                 partition=partition,
                 cache_dir=self.options.cache_dir,
             )
+            if isinstance(cut, LabelSparsity):
+                compiled = self._with_tail(compiled, cut)
         except (FallbackError, DeviceError, *DYNAMO_CONTROL_FLOW):
             raise  # ours to report, or Dynamo's own control flow (it re-traces)
         except Exception as e:  # AOTAutograd/functionalization can fail on exotic code
@@ -129,7 +159,10 @@ class OrtlabBackend:
             capture.fallbacks.append(fb)
             warn_fallback(fb)
             logger.debug("capture of %s failed", label(index), exc_info=e)
+            if isinstance(cut, LabelSparsity):
+                capture.sparsity = dataclasses.replace(cut.record, applied=False, reason="the graph runs in PyTorch")
             compiled = gm.forward
         capture.capture_s = time.perf_counter() - start - sum(g.export_s + g.session_s for g in capture.graphs)
         self.report.captures.append(capture)
         return compiled
+

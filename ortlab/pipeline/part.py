@@ -32,9 +32,11 @@ from ortlab.runtime.cache import (
     CacheEntry,
     cache_key,
     drop_entry,
+    load_decision,
     load_entry,
     session_mismatch,
     stage_model,
+    store_decision,
     store_entry,
 )
 from ortlab.runtime.kernels import missing_kernels
@@ -156,21 +158,27 @@ class PartBuilder:
         self._count(exported.op_counts())
         runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
                            exported.output_sources, ctx.device, built.source, exported.guards)
-        self._race(runner, part)
+        self._race(runner, part, entry)
         given = "onnxscript" if ctx.options.graph_optimization_level != "disable" else "exported"
         record.parts.append(PartRecord(part, self._label(part), runner, exported, given))
         return runner
 
-    def _race(self, runner: OrtRunner, part: str) -> None:
-        """Measure the other candidate providers on the part's first call (``ortlab.runtime.race``)."""
+    def _all_candidates(self) -> list[tuple[str, ...]]:
+        return [tuple(self.providers.providers), *self.providers.candidates]
+
+    def _race(self, runner: OrtRunner, part: str, entry: CacheEntry | None) -> None:
+        """Measure the other candidate providers on the part's first call (``ortlab.runtime.race``);
+        the decision is stored with the cache entry (Note [Stored provider decisions])."""
         if not self.providers.candidates or runner.session_source is None:
             return
         sources = [dataclasses.replace(runner.session_source, providers=c) for c in self.providers.candidates]
-        where, record = self._label(part), self.record
+        where, record, candidates = self._label(part), self.record, self._all_candidates()
 
         def decided(result: RaceResult) -> None:
             record.notes.append(f"{where} providers: {result.describe()}")
             logger.info("ortlab: %s providers: %s", where, result.describe())
+            if entry is not None and result.chosen:
+                store_decision(entry, result.chosen, candidates, result.describe())
 
         runner.race = make_race(sources, decided)
 
@@ -259,10 +267,12 @@ class PartBuilder:
         if cached is None:
             return None
         ctx = self.ctx
+        decision = load_decision(entry, self._all_candidates()) if self.providers.candidates else None
+        providers = decision[0] if decision is not None else self.providers.providers
         try:
             # Already optimized by onnxruntime when it was stored.
             built = build_session(cached.data, ctx.options, ctx.debug, device_type=ctx.device.type,
-                                  providers=self.providers.providers, threads=threads, level="disable")
+                                  providers=providers, threads=threads, level="disable")
         except SessionError as e:
             drop_entry(entry, first_line(e))
             return None
@@ -278,6 +288,10 @@ class PartBuilder:
         runner = OrtRunner(built.session, cached.input_kinds, cached.output_kinds, cached.output_dtypes,
                            cached.output_sources, ctx.device, built.source, cached.guards)
         runner.provenance = cached.provenance
-        self._race(runner, part)
+        if decision is not None:
+            self.record.notes.append(f"{self._label(part)} providers: {'+'.join(decision[0])}, as measured "
+                                     f"in an earlier process and stored with the cache entry ({decision[1]})")
+        else:
+            self._race(runner, part, entry)
         self.record.parts.append(PartRecord(part, self._label(part), runner, None, "execution"))
         return runner

@@ -116,12 +116,13 @@ class CacheEntry:
         self.folder, self.key = folder, key
         self.model_path = os.path.join(folder, f"{key}.onnx")
         self.meta_path = os.path.join(folder, f"{key}.json")
+        self.providers_path = os.path.join(folder, f"{key}.providers.json")
 
     def exists(self) -> bool:
         return os.path.lexists(self.model_path) and os.path.lexists(self.meta_path)
 
     def remove(self) -> None:
-        for path in (self.model_path, self.meta_path):
+        for path in (self.model_path, self.meta_path, self.providers_path):
             discard(path)
 
 
@@ -323,3 +324,39 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
         discard(staged)
         note_write_failure(entry.folder, e)
         return False
+
+
+# Note [Stored provider decisions]
+# Which execution provider ran a part fastest was measured on its first call
+# (``ortlab.runtime.race``): seconds of building and running every candidate. The decision
+# is stored beside the entry (``{key}.providers.json``), with the candidates it was made
+# among, so a later process that loads the entry builds the winner's session directly. A
+# decision made among other candidates (a provider installed or removed since) is not
+# used: the race runs again. The file only ever names a provider to use, never code or a
+# model, so a damaged one costs a measurement, not a wrong result.
+
+
+def store_decision(entry: CacheEntry, chosen: tuple[str, ...], candidates: list[tuple[str, ...]],
+                   described: str) -> None:
+    """Keep a race's winner for ``entry`` (see Note [Stored provider decisions])."""
+    data = {"chosen": list(chosen), "candidates": sorted(list(c) for c in candidates), "described": described}
+    try:
+        if writable(entry.folder):
+            write_atomic(entry.providers_path, json.dumps(data).encode())
+    except OSError as e:
+        note_write_failure(entry.folder, e)
+
+
+def load_decision(entry: CacheEntry, candidates: list[tuple[str, ...]]) -> tuple[tuple[str, ...], str] | None:
+    """The stored winner for ``entry`` and how it was measured, if it was chosen among ``candidates``."""
+    try:
+        data = json.loads(read_file(entry.providers_path))
+        chosen = tuple(data["chosen"])
+        stored = sorted(list(c) for c in data["candidates"])
+        described = str(data["described"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    wanted = sorted(list(c) for c in candidates)
+    if stored != wanted or list(chosen) not in wanted or not all(isinstance(n, str) for n in chosen):
+        return None
+    return chosen, described

@@ -90,3 +90,44 @@ def test_a_candidate_that_disagrees_is_dropped():
     (result,) = results
     assert "differs by up to" in next(iter(result.dropped.values()))
     assert runner.session_source is source
+
+
+def test_a_cached_start_uses_the_stored_decision_without_measuring(tmp_path, monkeypatch):
+    """The race's winner is stored with the cache entry; a later module loading the entry builds
+    the winner's session directly (Note [Stored provider decisions] in ortlab.runtime.cache)."""
+    from ortlab.runtime import session as session_module
+
+    # A second candidate that builds everywhere: onnxruntime's Azure provider (it hands every node
+    # to the CPU provider), standing in for OpenVINO on machines where that plugin cannot run.
+    monkeypatch.setattr(session_module, "cpu_candidates",
+                        lambda: (["CPUExecutionProvider", "AzureExecutionProvider"], {}))
+    x, _ = make_batch("tiny", 8)
+
+    def notes(om: ortlab.ORTModule) -> list[str]:
+        return [n for c in om.report.captures for g in c.graphs for n in g.notes if "providers:" in n]
+
+    torch.manual_seed(0)
+    first = ortlab.ORTModule(TinyMLP().eval(), cache_dir=str(tmp_path))
+    with torch.no_grad():
+        expected = first(x)
+    (measured,) = notes(first)
+    assert "measured fastest" in measured
+    assert list(tmp_path.glob("*.providers.json"))
+
+    torch.manual_seed(0)
+    again = ortlab.ORTModule(TinyMLP().eval(), cache_dir=str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), expected)
+    (stored,) = notes(again)
+    assert "as measured in an earlier process" in stored and "measured fastest" in stored
+    assert all(p.runner.race is None for c in again.report.captures for g in c.graphs for p in g.parts)
+    chosen = stored.split("providers: ", 1)[1].split(",", 1)[0]
+    assert chosen in ("CPUExecutionProvider", "AzureExecutionProvider")
+
+    # Other candidates installed since: the stored decision is not used, the race runs again.
+    monkeypatch.setattr(session_module, "cpu_candidates", lambda: (["CPUExecutionProvider"], {}))
+    torch.manual_seed(0)
+    plain = ortlab.ORTModule(TinyMLP().eval(), cache_dir=str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(plain(x), expected)
+    assert not notes(plain)

@@ -1,0 +1,245 @@
+"""Label sparsity: the LM head and its loss computed only for the labels that count.
+
+ONNX Runtime training's "label sparsity" compute optimization, on Dynamo's graph.
+
+Note [Label sparsity]
+A language model's loss ignores the labels set to ``ignore_index`` (-100: padding, the
+prompt in instruction tuning, masked-LM positions that were not masked), yet the LM head
+(a ``d x vocab`` matmul, ~30% of a GPT-2-small step at vocab 50257) and its gradient are
+computed for every row. When Dynamo's graph ends in
+
+    logits = linear(h, W, b)              # only used by the loss
+    loss = cross_entropy(logits[.float()].reshape(-1, V), t, ignore_index=i, reduction=mean|sum)
+
+the graph is cut before the head: the captured graph returns ``h`` and ``t`` instead of
+the loss, and each step selects the rows whose label counts and runs the head and the loss
+on them alone:
+
+    keep = (t.reshape(-1) != i).nonzero()
+    loss = tail(h.reshape(-1, d)[keep], t[keep], W, b)   # cross_entropy(linear(...), ...)
+
+The loss is the same sum over the same rows (``mean`` divides by the number of counted
+labels either way), and autograd carries the gradient of the kept rows back into the
+captured graph's backward (``index_select``'s backward scatters zeros elsewhere, which is
+what the ignored rows' gradient is). The selection runs in PyTorch (its size is known only
+at run time); the tail is compiled by ortlab like any graph (the pipeline's backend, the
+same report), with a symbolic row count so that a new number of kept rows reuses it. It
+must run in onnxruntime, not PyTorch: on our AMD EPYC, PyTorch's GEMM for 512 x 768 x 50257
+took 0.95 s forward and backward where onnxruntime took 0.39 s, which ate the whole gain.
+A data-dependent row count inside the main graph would need unbacked symbolic sizes
+through AOTAutograd, the partitioner and the export; cutting the graph keeps both halves
+ordinary graphs.
+
+Nothing is cut when the logits are used for anything else (returned, as Hugging Face
+models return them): every row is then needed. The capture's report says which applied
+and why (``CaptureRecord.sparsity``), and counts the rows dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from ortlab._compat.torch import LINEAR_TARGETS
+from ortlab.provenance import module_path, source_line
+from ortlab.report import SparsityRecord
+
+__all__ = ["LabelSparsity", "SparsityRecord", "find_label_sparsity"]
+
+_CE_SIGNATURE = inspect.signature(F.cross_entropy)
+# Methods between the head and the loss that act on each row alone (HF upcasts logits with .float()).
+_ROW_METHODS = {"float", "contiguous", "to"}
+
+
+@dataclasses.dataclass
+class LabelSparsity:
+    """A graph cut before its LM head: ``graph`` returns what the tail needs instead of the loss.
+
+    ``graph`` takes the same inputs as the original graph and returns its outputs without
+    the loss, then ``h`` and the labels. ``finish(args, outputs)`` computes the loss on the
+    kept rows and puts it back in its place.
+    """
+
+    graph: torch.fx.GraphModule
+    record: SparsityRecord
+    loss_positions: list[int]
+    num_outputs: int
+    weight: Callable[[Sequence[object]], torch.Tensor]
+    bias: Callable[[Sequence[object]], torch.Tensor | None]
+    casts: list[tuple[str, tuple, dict]]
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+
+    def params(self, args: Sequence[object]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's weight and bias, read from the graph's inputs before a boxed call clears them."""
+        return self.weight(args), self.bias(args)
+
+    def tail(self) -> torch.nn.Module:
+        """The LM head and loss on the kept rows, as a module to compile with a symbolic row count."""
+        return _Tail(self.casts, self.ignore_index, self.reduction, self.label_smoothing)
+
+    def finish(self, outs: Sequence[object], weight: torch.Tensor, bias: torch.Tensor | None,
+               tail: Callable[..., torch.Tensor]) -> tuple:
+        """The original graph's outputs, from the cut graph's outputs, the head's parameters and
+        ``tail`` (``self.tail()`` or its compiled form)."""
+        *rest, h, labels = outs
+        labels = labels.reshape(-1)
+        keep = (labels != self.ignore_index).nonzero().squeeze(1)
+        loss = tail(h.reshape(-1, h.shape[-1]).index_select(0, keep), labels.index_select(0, keep), weight, bias)
+        r = self.record
+        r.steps += 1
+        r.rows, r.dropped = labels.numel(), labels.numel() - keep.numel()
+        r.total_rows += r.rows
+        r.total_dropped += r.dropped
+        out, it = [], iter(rest)
+        for i in range(self.num_outputs):
+            out.append(loss if i in self.loss_positions else next(it))
+        return tuple(out)
+
+
+class _Tail(torch.nn.Module):
+    """``cross_entropy(linear(rows, W, b)[casts], labels)``: every row's label counts."""
+
+    def __init__(self, casts: list[tuple[str, tuple, dict]], ignore_index: int, reduction: str,
+                 label_smoothing: float) -> None:
+        super().__init__()
+        self.casts, self.ignore_index = casts, ignore_index
+        self.reduction, self.label_smoothing = reduction, label_smoothing
+
+    def forward(self, rows: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        logits = F.linear(rows, weight, bias)
+        for method, args, kwargs in self.casts:
+            logits = getattr(logits, method)(*args, **kwargs)
+        return F.cross_entropy(logits, labels, ignore_index=self.ignore_index, reduction=self.reduction,
+                               label_smoothing=self.label_smoothing)
+
+
+def _is_ce(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target is F.cross_entropy
+
+
+def _val(node: object) -> torch.Tensor | None:
+    if not isinstance(node, torch.fx.Node):
+        return None
+    v = node.meta.get("example_value", node.meta.get("val"))
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _input_getter(gm: torch.fx.GraphModule, node: object,
+                  placeholders: list[torch.fx.Node]) -> Callable[[Sequence[object]], torch.Tensor | None] | None:
+    if node is None:
+        return lambda args: None
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node.op == "placeholder":
+        i = placeholders.index(node)
+        return lambda args: args[i]
+    if node.op == "get_attr":
+        owner, name = gm, str(node.target)
+        return lambda args: _attr(owner, name)
+    return None
+
+
+def _attr(gm: torch.fx.GraphModule, dotted: str) -> torch.Tensor:
+    obj: object = gm
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[return-value]
+
+
+def find_label_sparsity(gm: torch.fx.GraphModule) -> LabelSparsity | SparsityRecord | None:
+    """Cut ``gm`` before its LM head when its loss ignores labels (see Note [Label sparsity]).
+
+    Returns the cut graph, or a ``SparsityRecord`` saying why a cross-entropy loss with
+    ignored labels could not be cut, or None when the graph has no such loss.
+    """
+    losses = [n for n in gm.graph.nodes if _is_ce(n)]
+    if not losses:
+        return None
+    if len(losses) > 1:
+        return SparsityRecord(False, f"{len(losses)} cross-entropy losses in one graph (only one is cut)")
+    ce = losses[0]
+    try:
+        bound = _CE_SIGNATURE.bind(*ce.args, **ce.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    a = bound.arguments
+    where = dict(module=module_path(ce), source=source_line(ce))
+
+    def no(reason: str, at: torch.fx.Node = ce) -> SparsityRecord:
+        return SparsityRecord(False, reason, module=module_path(at), source=source_line(at))
+
+    if any(a[k] is not None for k in ("weight", "size_average", "reduce")):
+        return no("the loss has class weights or legacy reduction arguments")
+    if a["reduction"] not in ("mean", "sum"):
+        return no(f"reduction={a['reduction']!r} returns one loss per row (only 'mean' and 'sum' are cut)")
+    if any(isinstance(a[k], torch.fx.Node) for k in ("ignore_index", "reduction", "label_smoothing")):
+        return no("ignore_index, reduction or label_smoothing is computed in the graph")
+    target_val = _val(a["target"])
+    if target_val is None or target_val.dtype.is_floating_point or target_val.dim() != 1:
+        return no("the labels are not one class index per row")
+    if list(ce.users) != [next(iter(gm.graph.find_nodes(op="output")))]:
+        return no("the loss is used inside the graph (only a loss returned as it is can be cut)")
+    # Walk from the loss's input back to the head through row-wise steps.
+    casts: list[tuple[str, tuple, dict]] = []
+    chain: list[torch.fx.Node] = []
+    node = a["input"]
+    while isinstance(node, torch.fx.Node) and node.op == "call_method":
+        if len(node.users) != 1:
+            return no("the logits are used elsewhere (every row is needed)", node)
+        if node.target in ("reshape", "view"):
+            shape = node.args[1:] if len(node.args) > 2 or not isinstance(node.args[1], (tuple, list)) \
+                else tuple(node.args[1])
+            src = _val(node.args[0])
+            if src is None or len(shape) != 2 or shape[-1] != src.shape[-1]:
+                return no("the logits are reshaped in a way that mixes rows", node)
+        elif node.target in _ROW_METHODS:
+            casts.insert(0, (str(node.target), tuple(node.args[1:]), dict(node.kwargs)))
+        else:
+            return no(f"the logits pass through .{node.target}() before the loss", node)
+        chain.append(node)
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in LINEAR_TARGETS):
+        return no("the loss's input is not a linear layer's output")
+    head = node
+    if len(head.users) != 1:
+        return no("the logits are used elsewhere, e.g. returned (every row is needed)", head)
+    h, w = head.args[0], head.args[1]
+    b = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    weight, bias = _input_getter(gm, w, placeholders), _input_getter(gm, b, placeholders)
+    if weight is None or bias is None or not isinstance(h, torch.fx.Node):
+        return no("the head's weight is computed in the graph", head)
+    h_val = _val(h)
+    if h_val is None or h_val.dim() < 1:
+        return no("the head's input has no known shape", head)
+
+    removed = {ce, head, *chain}
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    out_node = next(iter(gm.graph.find_nodes(op="output")))
+    (outputs,) = out_node.args
+    flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    for n in gm.graph.nodes:
+        if n in removed or n is out_node:
+            continue
+        env[n] = graph.node_copy(n, lambda x: env[x])
+    loss_positions = [i for i, o in enumerate(flat) if o is ce]
+    new_outputs = [env[o] if isinstance(o, torch.fx.Node) else o for o in flat if o is not ce]
+    new_outputs += [env[h], env[a["target"]]]
+    graph.output(tuple(new_outputs))
+    cut = torch.fx.GraphModule(gm, graph)
+    reason = (f"the LM head and the loss run only on the rows whose label is not {a['ignore_index']}, "
+              "in a graph of their own with a symbolic row count")
+    record = SparsityRecord(True, reason, module=module_path(head) or where["module"],
+                            source=source_line(head) or where["source"])
+    return LabelSparsity(cut, record, loss_positions, len(flat), weight, bias, casts, int(a["ignore_index"]),
+                         str(a["reduction"]), float(a["label_smoothing"]))

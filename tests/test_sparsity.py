@@ -1,0 +1,139 @@
+"""Label sparsity (Note [Label sparsity] in ``ortlab.capture.sparsity``): the LM head and the
+loss computed only for labels that count, with eager's loss and gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ortlab
+from ortlab.models import GPT, GPTConfig
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _labels(g: torch.Generator, shape: tuple[int, ...], vocab: int, ignored: float) -> torch.Tensor:
+    t = torch.randint(0, vocab, shape, generator=g)
+    return t.masked_fill(torch.rand(shape, generator=g) < ignored, -100)
+
+
+def _train_beside_eager(model: nn.Module, batches: list[tuple], **options: object) -> ortlab.ORTModule:
+    eager = copy.deepcopy(model)
+    ort = ortlab.ORTModule(model, **options)
+    for batch in batches:
+        lo, le = ort(*batch), eager(*batch)
+        torch.testing.assert_close(lo, le, rtol=RTOL, atol=ATOL)
+        lo.backward()
+        le.backward()
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=name)
+            p.grad, q.grad = None, None
+    return ort
+
+
+def _sparsity(ort: ortlab.ORTModule):
+    return ort.report.captures[0].sparsity
+
+
+def test_gpt_drops_the_ignored_rows_with_eagers_loss_and_gradients():
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=2, vocab=500, d_model=64, n_heads=4, block_size=16)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 500, (3, 16), generator=g), _labels(g, (3, 16), 500, p)) for p in (0.5, 0.3, 0.8)]
+    ort = _train_beside_eager(GPT(cfg), batches)
+    record = _sparsity(ort)
+    assert record.applied and record.module == "head"
+    ignored = [int((t == -100).sum()) for _, t in batches]
+    assert (record.steps, record.rows, record.dropped) == (3, 48, ignored[-1])
+    assert record.total_dropped == sum(ignored)
+    assert "label sparsity: on (head" in str(ort.report)
+    # The tail is one more graph, compiled once with a symbolic row count: a new number of kept rows
+    # re-captures nothing, and the tail runs in onnxruntime.
+    main, tail = ort.report.captures
+    assert "label sparsity" in tail.purpose and main.purpose == ""
+    assert all(g.ort_partitions == 1 and g.torch_nodes == 0 for g in tail.graphs)
+    assert not ort.report.fallbacks
+
+
+def test_off_by_option():
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=1, vocab=100, d_model=32, n_heads=2, block_size=8)
+    g = torch.Generator().manual_seed(2)
+    ort = _train_beside_eager(GPT(cfg), [(torch.randint(0, 100, (2, 8), generator=g),
+                                          _labels(g, (2, 8), 100, 0.5))], label_sparsity=False)
+    assert _sparsity(ort) is None and len(ort.report.captures) == 1
+
+
+class _HFStyleHead(nn.Module):
+    """A Hugging Face-style loss: logits upcast with ``.float()``, flattened with ``view``, summed and divided."""
+
+    def __init__(self, reduction: str = "sum", smoothing: float = 0.0, return_logits: bool = False) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Embedding(50, 16), nn.LayerNorm(16))
+        self.lm_head = nn.Linear(16, 50, bias=False)
+        self.reduction, self.smoothing, self.return_logits = reduction, smoothing, return_logits
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
+        logits = self.lm_head(self.body(ids))
+        loss = F.cross_entropy(logits.float().view(-1, 50), labels.view(-1), reduction=self.reduction,
+                               label_smoothing=self.smoothing)
+        return (loss, logits) if self.return_logits else loss
+
+
+@pytest.mark.parametrize("reduction,smoothing", [("sum", 0.0), ("mean", 0.1)])
+def test_upcast_view_sum_and_label_smoothing(reduction, smoothing):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 50, (2, 7), generator=g), _labels(g, (2, 7), 50, 0.4)) for _ in range(2)]
+    ort = _train_beside_eager(_HFStyleHead(reduction, smoothing), batches)
+    assert _sparsity(ort).applied
+
+
+def test_returned_logits_keep_every_row_and_say_why():
+    torch.manual_seed(0)
+    model = _HFStyleHead(return_logits=True)
+    g = torch.Generator().manual_seed(4)
+    ids, labels = torch.randint(0, 50, (2, 7), generator=g), _labels(g, (2, 7), 50, 0.4)
+    eager = copy.deepcopy(model)
+    ort = ortlab.ORTModule(model)
+    (lo, logits_o), (le, logits_e) = ort(ids, labels), eager(ids, labels)
+    torch.testing.assert_close(lo, le, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(logits_o, logits_e, rtol=RTOL, atol=ATOL)
+    record = _sparsity(ort)
+    assert not record.applied and "every row is needed" in record.reason
+    assert "label sparsity: not applied" in str(ort.report)
+
+
+def test_every_label_ignored_gives_eagers_nan_and_zero_gradients():
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=1, vocab=100, d_model=32, n_heads=2, block_size=8)
+    model = GPT(cfg)
+    eager = copy.deepcopy(model)
+    ort = ortlab.ORTModule(model, label_sparsity=True)
+    ids, labels = torch.randint(0, 100, (2, 8)), torch.full((2, 8), -100)
+    lo, le = ort(ids, labels), eager(ids, labels)
+    assert math.isnan(lo.item()) and math.isnan(le.item())  # mean over no labels, as in eager
+    assert _sparsity(ort).dropped == 16
+    # With reduction="sum" the loss is a finite 0 and every gradient is eager's (zero for the head).
+    ids = torch.randint(0, 50, (2, 7))
+    ort = _train_beside_eager(_HFStyleHead("sum"), [(ids, torch.full((2, 7), -100))])
+    assert _sparsity(ort).dropped == 14
+
+
+def test_eval_without_grad_uses_the_kept_rows_too():
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layers=1, vocab=100, d_model=32, n_heads=2, block_size=8)
+    model = GPT(cfg).eval()
+    eager = copy.deepcopy(model)
+    ort = ortlab.ORTModule(model)
+    g = torch.Generator().manual_seed(5)
+    ids, labels = torch.randint(0, 100, (2, 8), generator=g), _labels(g, (2, 8), 100, 0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(ort(ids, labels), eager(ids, labels), rtol=RTOL, atol=ATOL)
+    assert _sparsity(ort).applied and _sparsity(ort).steps == 1
