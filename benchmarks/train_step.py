@@ -45,7 +45,7 @@ MODELS = ("tiny", "mlp", "gpt")
 # model (12 layers, d=768, T=256, vocab 50257, batch 4), the same with 50% of the labels
 # ignored (-100), and a BERT-base encoder from a transformers config (random weights, batch 8,
 # T=128, 30% padding).
-LARGE_MODELS = ("gpt2s", "gpt2s-ignore", "bert")
+LARGE_MODELS = ("gpt2s", "gpt2s-ignore", "bert", "resnet18")
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -122,11 +122,63 @@ def build_model(name: str) -> tuple[nn.Module, Callable[[torch.Generator], Batch
             return ids, mask, torch.randint(0, 2, (8,), generator=g)
 
         return BertLoss(), draw_bert, None
+    if name == "resnet18":
+        def draw_images(g: torch.Generator) -> Batch:
+            return torch.randn(16, 3, 64, 64, generator=g), torch.randint(0, 1000, (16,), generator=g)
+
+        return _ResNet18Loss(), draw_images, None
     if name == "mlp":
         return MLP((784, 1024, 1024, 10)), lambda g: make_batch("mlp", 256, g), None
     if name == "tiny":
         return TinyMLP(), lambda g: make_batch("tiny", 16, g), None
     raise ValueError(f"unknown model {name!r}; expected one of {', '.join((*MODELS, *LARGE_MODELS))}")
+
+
+class _Basic(nn.Module):
+    """torchvision's ``BasicBlock``: two 3x3 convolutions with batch norm, and the shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + (x if self.down is None else self.down(x)))
+
+
+class _ResNet18Loss(nn.Module):
+    """ResNet-18 (torchvision's ``resnet18`` layer for layer) with a cross-entropy loss.
+
+    Written out here because PyPI's torchvision wheel is built against the CUDA torch and does
+    not import beside the CPU torch 2.13 these benchmarks run on ("operator torchvision::nms
+    does not exist"); the architecture is the same: 7x7 stem, max pool, four stages of two
+    basic blocks (64, 128, 256, 512 channels), global average pool, a 1000-way linear layer.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                                  nn.MaxPool2d(3, 2, 1))
+        blocks, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            blocks += [_Basic(cin, cout, stride), _Basic(cout, cout, 1)]
+            cin = cout
+        self.blocks = nn.Sequential(*blocks)
+        self.fc = nn.Linear(512, 1000)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        feats = self.blocks(self.stem(x)).mean(dim=(2, 3))
+        return F.cross_entropy(self.fc(feats), y)
 
 
 def wrap(contender: str, module: nn.Module) -> nn.Module:

@@ -13,9 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import ortlab
+from ortlab.capture import sparsity
 from ortlab.models import GPT, GPTConfig
 
 RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _cut_small_heads(monkeypatch):
+    """These models' heads are small, for speed; cut them anyway (the size rule has its own test)."""
+    monkeypatch.setattr(sparsity, "MIN_HEAD_WEIGHTS", 0)
 
 
 def _labels(g: torch.Generator, shape: tuple[int, ...], vocab: int, ignored: float) -> torch.Tensor:
@@ -137,3 +144,14 @@ def test_eval_without_grad_uses_the_kept_rows_too():
     with torch.no_grad():
         torch.testing.assert_close(ort(ids, labels), eager(ids, labels), rtol=RTOL, atol=ATOL)
     assert _sparsity(ort).applied and _sparsity(ort).steps == 1
+
+
+def test_a_small_head_is_not_cut_and_says_why(monkeypatch):
+    monkeypatch.setattr(sparsity, "MIN_HEAD_WEIGHTS", 1 << 20)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(6)
+    ort = _train_beside_eager(_HFStyleHead(), [(torch.randint(0, 50, (2, 7), generator=g),
+                                                _labels(g, (2, 7), 50, 0.4))])
+    record = _sparsity(ort)
+    assert not record.applied and "the head is small (800 weights" in record.reason
+    assert len(ort.report.captures) == 1

@@ -22,6 +22,7 @@ import time
 
 import onnxscript.optimizer
 
+from ortlab._compat.onnxscript import optimize_without
 from ortlab.errors import first_line
 from ortlab.onnx.export import ExportedGraph, bypass_output_identities
 
@@ -53,6 +54,8 @@ class OptimizeResult:
 # graph hit a boundary changed with any function added on the way. A thread of its own
 # starts the optimizer at the same shallow depth every time: 0.4 s, whatever the caller.
 _WORKER: list[concurrent.futures.ThreadPoolExecutor] = []
+# Above this many Slice nodes, SlicesSplit's pairwise search costs more than it can save.
+_MANY_SLICES = 64
 _WORKER_LOCK = threading.Lock()
 
 
@@ -74,7 +77,12 @@ def optimize_exported(exported: ExportedGraph) -> OptimizeResult:
     quiet.setLevel(logging.ERROR)
     skipped = ""
     try:
-        _on_fresh_stack(onnxscript.optimizer.optimize_ir, exported.model)
+        slices = sum(1 for node in graph if node.op_type == "Slice")
+        if slices > _MANY_SLICES:  # see Note [onnxscript's optimizer without SlicesSplit] in ortlab._compat
+            logger.debug("%s has %d Slice nodes: onnxscript's SlicesSplit rule left out", graph.name, slices)
+            _on_fresh_stack(optimize_without, exported.model, ("SlicesSplit",))
+        else:
+            _on_fresh_stack(onnxscript.optimizer.optimize_ir, exported.model)
         bypass_output_identities(exported.model)
         graph = exported.model.graph
         if [v.name for v in graph.inputs] != names_in or [v.name for v in graph.outputs] != names_out:
