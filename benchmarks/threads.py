@@ -1,0 +1,77 @@
+"""Thread settings for the whole training step: onnxruntime's pool beside PyTorch's OpenMP pool.
+
+Three ORTModules of one model train side by side in one process (torch imported first, as
+in users' scripts), steps alternating A B C A B C, medians:
+
+* default: ortlab's settings (onnxruntime's intra-op threads = one per core, its idle
+  threads do not spin: ``session.intra_op.allow_spinning=0`` in ortlab/runtime/session.py);
+* spin: the same with onnxruntime's threads spinning when idle (onnxruntime's default);
+* ort1thread: one onnxruntime thread per session.
+
+Usage:
+    python benchmarks/threads.py gpt 30
+    python benchmarks/threads.py mlp 60
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402, I001
+import ortlab  # noqa: E402
+import ortlab.runtime.session as session_module  # noqa: E402
+from ortlab.models import GPT, MLP, GPTConfig, make_batch  # noqa: E402
+
+_SPIN = {"on": False}
+_original = session_module._session_options
+
+
+def _with_spin(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the benchmark's one switch
+    so = _original(*args, **kwargs)
+    if _SPIN["on"]:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    return so
+
+
+def main(which: str, steps: int) -> None:
+    session_module._session_options = _with_spin
+    torch.manual_seed(0)
+    if which == "gpt":
+        base, draw = GPT(GPTConfig()), (lambda g: make_batch("gpt", 8, g))
+    else:
+        base, draw = MLP((784, 1024, 1024, 10)), (lambda g: make_batch("mlp", 256, g))
+    variants = {"default": {}, "spin": {"spin": True}, "ort1thread": {"intra_op_num_threads": 1}}
+    modules = {}
+    for name, cfg in variants.items():
+        _SPIN["on"] = cfg.pop("spin", False)
+        m = ortlab.ORTModule(copy.deepcopy(base), **cfg)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            m(*draw(g)).backward()
+            opt.step()
+            opt.zero_grad()
+        modules[name] = (m, opt)
+    _SPIN["on"] = False
+    times: dict[str, list[float]] = {n: [] for n in modules}
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        batch = draw(g)
+        for name, (m, opt) in modules.items():
+            start = time.perf_counter()
+            m(*batch).backward()
+            opt.step()
+            opt.zero_grad()
+            times[name].append(time.perf_counter() - start)
+    base_ms = statistics.median(times["default"])
+    for name, ts in times.items():
+        print(f"{which} {name:<11} {statistics.median(ts) * 1e3:8.2f} ms  {base_ms / statistics.median(ts):.3f}x default")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "gpt", int(sys.argv[2]) if len(sys.argv) > 2 else 30)
