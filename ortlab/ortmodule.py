@@ -11,6 +11,7 @@ wrapped module, so a changed attribute is seen by Dynamo's guards and re-capture
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ import torch.nn as nn
 
 from ortlab._compat.torch import (
     COMPILE_ISOLATION,
+    guard_failures_of,
     FAKE_TENSOR_LOGGER,
     BackendCompilerFailed,
     TorchDynamoException,
@@ -162,6 +164,47 @@ def _check_leaf(leaf: object) -> None:
         )
 
 
+# Note [The wrapped module's forward signature]
+# Libraries read ``inspect.signature(model.forward)`` to decide what to pass: Hugging Face's
+# Trainer drops every dataset column the signature does not name, and with ORTModule's
+# ``forward(*args, **kwargs)`` it dropped them all ("The batch received was empty").
+# ``ORTModule.forward`` is therefore a descriptor: ``model.forward`` is a callable that runs
+# the wrapper and whose ``__signature__`` is the wrapped module's. It is made once per
+# instance (not per call) and never pickled or copied (a copy makes its own).
+class _BoundForward:
+    __slots__ = ("__self__",)
+
+    def __init__(self, owner: ORTModule) -> None:
+        self.__self__ = owner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__self__._ortlab_forward(*args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__self__.__dict__["_ortlab_module"].forward)
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return self.__self__.__dict__["_ortlab_module"].forward.__doc__
+
+    def __repr__(self) -> str:
+        return f"<ORTModule.forward of {type(self.__self__.__dict__['_ortlab_module']).__name__}>"
+
+
+class _ForwardDescriptor:
+    """``ORTModule.forward`` (see Note [The wrapped module's forward signature])."""
+
+    def __get__(self, obj: ORTModule | None, objtype: type | None = None) -> Any:
+        if obj is None:
+            return ORTModule._ortlab_forward
+        bound = obj.__dict__.get("_ortlab_bound")
+        if bound is None or bound.__self__ is not obj:
+            bound = _BoundForward(obj)
+            obj.__dict__["_ortlab_bound"] = bound
+        return bound
+
+
 class ORTModule(nn.Module):
     """Wrap ``module`` so its forward and backward run in onnxruntime.
 
@@ -231,7 +274,7 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_ortlab_compiled", compiled)
         object.__setattr__(self, "_ortlab_calls", 0)
         object.__setattr__(self, "_ortlab_device_of", None)
-        object.__setattr__(self, "_ortlab_seen", (-1, {}, {}))
+        object.__setattr__(self, "_ortlab_seen", (-1, {}, {}, 0, 0))
         object.__setattr__(self, "_ortlab_release", weakref.finalize(self, backend.release))
 
     def reconfigure(self, **options: Any) -> None:
@@ -343,7 +386,7 @@ class ORTModule(nn.Module):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        for key in ("_ortlab_report", "_ortlab_compiled", "_ortlab_backend", "_ortlab_release"):
+        for key in ("_ortlab_report", "_ortlab_compiled", "_ortlab_backend", "_ortlab_release", "_ortlab_bound"):
             state.pop(key, None)
         state["_ortlab_observer"] = None  # tools' hooks, not part of the model
         state["_ortlab_watcher"] = None
@@ -427,7 +470,7 @@ class ORTModule(nn.Module):
     def __iter__(self) -> Iterator[Any]:
         return iter(self._ortlab_module)  # type: ignore[call-overload]
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def _ortlab_forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             # Inside an enclosing ORTModule or torch.compile: be traced as the plain
             # module, so the outer capture sees one graph instead of breaking here.
@@ -436,6 +479,8 @@ class ORTModule(nn.Module):
         if watcher is not None:
             return watcher(self._ortlab_call, args, kwargs)
         return self._ortlab_call(args, kwargs)
+
+    forward = _ForwardDescriptor()  # type: ignore[assignment]
 
     def _ortlab_call(self, args: tuple, kwargs: dict) -> Any:
         dense = self._check_inputs(args, kwargs)
@@ -478,13 +523,20 @@ class ORTModule(nn.Module):
     def _ortlab_snapshot(self) -> None:
         object.__setattr__(self, "_ortlab_seen", (dynamo_counters["frames"]["total"],
                                                   dict(dynamo_counters["graph_break"]),
-                                                  dict(dynamo_counters["unimplemented"])))
+                                                  dict(dynamo_counters["unimplemented"]),
+                                                  len(guard_failures_of(self._ortlab_module)),
+                                                  len(self._ortlab_report.captures)))
 
     def _record_dynamo(self) -> None:
         """Graph breaks and frames Dynamo skipped (it runs them in PyTorch, silently): fallbacks with reasons."""
-        _, breaks_before, skipped_before = self._ortlab_seen
+        _, breaks_before, skipped_before, failures_before, captures_before = self._ortlab_seen
         self._ortlab_snapshot()
         report = self._ortlab_report
+        failures = guard_failures_of(self._ortlab_module)[failures_before:]
+        if failures and captures_before:  # see Note [Why a graph was captured again]
+            for capture in report.captures[captures_before:]:
+                if not capture.purpose:
+                    capture.recapture = failures[-1]
         for reason, count in dynamo_counters["graph_break"].items():
             new = count - breaks_before.get(reason, 0)
             if new <= 0:

@@ -177,6 +177,7 @@ class CaptureRecord:
     files: list[str] = dataclasses.field(default_factory=list)
     sparsity: SparsityRecord | None = None
     purpose: str = ""  # why ortlab made this graph itself, e.g. a label-sparsity tail
+    recapture: str = ""  # why Dynamo captured this code again: the guard of an earlier capture that failed
 
 
 @dataclasses.dataclass
@@ -194,11 +195,17 @@ class Report:
 
     @property
     def fallbacks(self) -> list[Fallback]:
+        """Every fallback, each decision once: a re-capture of the same code (after a guard
+        failed) repeats its ops' placements, which are listed once (graph labels aside)."""
         out = list(self.module_fallbacks)
+        seen: set[tuple] = set()
         for c in self.captures:
-            out.extend(c.fallbacks)
-            for g in c.graphs:
-                out.extend(g.fallbacks)
+            for fb in [*c.fallbacks, *(f for g in c.graphs for f in g.fallbacks)]:
+                key = (fb.scope, fb.where.split(".", 1)[-1], fb.node, fb.op, fb.module, fb.source, fb.reason)
+                if key in seen:
+                    continue
+                seen.add(key)
+                out.append(fb)
         return out
 
     def session_stages(self) -> list[StageArtifact]:
@@ -240,6 +247,8 @@ class Report:
         for c in self.captures:
             lines.append(f"graph {stage_label(c.index)} ({c.mode}{'; ' + c.purpose if c.purpose else ''}): "
                          f"{sum(c.fx_ops.values())} captured ops, capture {c.capture_s:.2f} s")
+            if c.recapture:
+                lines.append(f"  captured again because a guard of an earlier capture failed: {c.recapture}")
             if c.sparsity is not None:
                 lines.append(f"  {c.sparsity}")
             for g in c.graphs:

@@ -49,6 +49,7 @@ __all__ = [
     "SDPA_TARGETS",
     "LINEAR_TARGETS",
     "COMPILE_ISOLATION",
+    "guard_failures_of",
     "from_dlpack_capsule",
     "ONNX_IR_VERSION",
     "ONNXRegistry",
@@ -218,3 +219,24 @@ def add_opset_imports(model: Any) -> None:
 def set_value_type(value: Any, meta_val: Any) -> None:
     """Type and shape an ONNX value from an FX ``meta["val"]`` (complex as float pairs)."""
     _core._set_shape_type(value, meta_val, complex_to_float=True)
+
+
+# Note [Why a graph was captured again]: when a guard of a captured graph fails (a config
+# attribute the code branched on changed: Hugging Face sets ``config.problem_type`` on the
+# first call), Dynamo captures the code again and records the failed guard in
+# ``torch._dynamo.utils.guard_failures`` (keyed by the code object; 2.0+), which nothing
+# public exposes. The report names it beside the new capture.
+def guard_failures_of(module: torch.nn.Module) -> list[str]:
+    """The guard failures Dynamo recorded for ``module.forward``'s code, one readable line each."""
+    from torch._dynamo.utils import guard_failures
+
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    out = []
+    for failure in guard_failures.get(code, ()) if code is not None else ():
+        text = str(failure).split("User stack trace", 1)[0].strip()
+        head, _, rest = text.partition(": ")
+        if rest and "/" in head and head.replace("/", "").isdigit():  # "0/0: ..." (frame/compile ids)
+            text = rest
+        out.append(" ".join(text.split()))
+    return out

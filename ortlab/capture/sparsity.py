@@ -52,8 +52,9 @@ from ortlab.report import SparsityRecord
 __all__ = ["LabelSparsity", "SparsityRecord", "find_label_sparsity"]
 
 _CE_SIGNATURE = inspect.signature(F.cross_entropy)
-# A head smaller than this (weights) is not cut: the row selection and one more graph cost
-# more than its ignored rows (ResNet-18's 512x1000 classifier ran 3% slower cut).
+# A head smaller than this (weights) is not cut, and not mentioned in the report: the row
+# selection and one more graph cost more than its ignored rows (ResNet-18's 512x1000
+# classifier ran 3% slower cut), and a classifier's logits are no place to look for savings.
 MIN_HEAD_WEIGHTS = 1 << 20
 # Methods between the head and the loss that act on each row alone (HF upcasts logits with .float()).
 _ROW_METHODS = {"float", "contiguous", "to"}
@@ -195,9 +196,8 @@ def find_label_sparsity(gm: torch.fx.GraphModule) -> LabelSparsity | SparsityRec
     casts: list[tuple[str, tuple, dict]] = []
     chain: list[torch.fx.Node] = []
     node = a["input"]
+    problem: tuple[str, torch.fx.Node] | None = None
     while isinstance(node, torch.fx.Node) and node.op == "call_method":
-        if len(node.users) != 1:
-            return no("the logits are used elsewhere (every row is needed)", node)
         if node.target in ("reshape", "view"):
             shape = node.args[1:] if len(node.args) > 2 or not isinstance(node.args[1], (tuple, list)) \
                 else tuple(node.args[1])
@@ -208,25 +208,29 @@ def find_label_sparsity(gm: torch.fx.GraphModule) -> LabelSparsity | SparsityRec
             casts.insert(0, (str(node.target), tuple(node.args[1:]), dict(node.kwargs)))
         else:
             return no(f"the logits pass through .{node.target}() before the loss", node)
+        if len(node.users) != 1 and problem is None:
+            problem = ("the logits are used elsewhere (every row is needed)", node)
         chain.append(node)
         node = node.args[0]
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in LINEAR_TARGETS):
         return no("the loss's input is not a linear layer's output")
     head = node
-    if len(head.users) != 1:
-        return no("the logits are used elsewhere, e.g. returned (every row is needed)", head)
     h, w = head.args[0], head.args[1]
+    w_val = _val(w)
+    if w_val is not None and w_val.numel() < MIN_HEAD_WEIGHTS:
+        return None  # a classifier: its rows cost little (a line in every report would be noise)
+    if len(head.users) != 1 and problem is None:
+        problem = ("the logits are used elsewhere, e.g. returned (every row is needed)", head)
+    if problem is not None:
+        return no(*problem)
     b = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     weight, bias = _input_getter(gm, w, placeholders), _input_getter(gm, b, placeholders)
     if weight is None or bias is None or not isinstance(h, torch.fx.Node):
         return no("the head's weight is computed in the graph", head)
-    h_val, w_val = _val(h), _val(w)
+    h_val = _val(h)
     if h_val is None or h_val.dim() < 1 or w_val is None:
         return no("the head's input has no known shape", head)
-    if w_val.numel() < MIN_HEAD_WEIGHTS:
-        return no(f"the head is small ({w_val.numel():,} weights < {MIN_HEAD_WEIGHTS:,}): selecting rows would "
-                  "cost more than the ignored rows do", head)
 
     removed = {ce, head, *chain}
     graph = torch.fx.Graph()
