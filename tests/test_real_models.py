@@ -51,7 +51,34 @@ def _bert():
     return transformers.BertForSequenceClassification(cfg), batch
 
 
-@pytest.mark.parametrize("make", [_gpt2, _t5, _bert], ids=["gpt2", "t5", "bert"])
+def _distilbert():
+    cfg = transformers.DistilBertConfig(n_layers=2, dim=64, hidden_dim=128, n_heads=4, vocab_size=300)
+
+    def batch(g: torch.Generator) -> dict:
+        mask = torch.ones(2, 12, dtype=torch.long)
+        mask[0, 9:] = 0
+        return {"input_ids": torch.randint(0, 300, (2, 12), generator=g), "attention_mask": mask,
+                "labels": torch.tensor([1, 0])}
+
+    return transformers.DistilBertForSequenceClassification(cfg), batch
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=300, max_position_embeddings=64,
+                                   attention_dropout=0.1)
+
+    def batch(g: torch.Generator) -> dict:
+        ids = torch.randint(0, 300, (2, 12), generator=g)
+        labels = ids.clone()
+        labels[:, :4] = -100  # a prompt the loss ignores
+        return {"input_ids": ids, "labels": labels, "use_cache": False}
+
+    return transformers.LlamaForCausalLM(cfg), batch
+
+
+@pytest.mark.parametrize("make", [_gpt2, _t5, _bert, _distilbert, _llama],
+                         ids=["gpt2", "t5", "bert", "distilbert", "llama"])
 def test_hugging_face_models_train_like_eager_with_dropout(make):
     torch.manual_seed(0)
     model, batch = make()
@@ -66,7 +93,9 @@ def test_hugging_face_models_train_like_eager_with_dropout(make):
             losses = []
             for m, opt, g in zip((eager, om), opts, gens):
                 torch.manual_seed(step)
-                loss = m(**batch(g)).loss
+                out = m(**batch(g))
+                assert isinstance(out, transformers.utils.ModelOutput)  # the output type is the model's
+                loss = out.loss
                 opt.zero_grad()
                 loss.backward()
                 if m is om:
