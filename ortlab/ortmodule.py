@@ -37,7 +37,7 @@ from ortlab._compat.torch import (
 )
 from ortlab._openmp import openmp_note
 from ortlab.config import DebugOptions, Options
-from ortlab.errors import CaptureError, DeviceError, OrtlabError, UnsupportedInputError
+from ortlab.errors import CaptureError, ConfigError, DeviceError, OrtlabError, UnsupportedInputError
 from ortlab.pipeline.backend import OrtlabBackend
 from ortlab.report import Fallback, Report, warn_fallback
 from ortlab.runtime.observe import GraphObserver
@@ -171,6 +171,34 @@ def _check_leaf(leaf: object) -> None:
 # ``ORTModule.forward`` is therefore a descriptor: ``model.forward`` is a callable that runs
 # the wrapper and whose ``__signature__`` is the wrapped module's. It is made once per
 # instance (not per call) and never pickled or copied (a copy makes its own).
+def _auto_dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
+    """``export_onnx``'s ``dynamic_shapes="auto"``: batch (and sequence) dimensions, by parameter name."""
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"the example inputs do not fit {type(module).__name__}.forward: {e}") from e
+    shapes: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = inspect.signature(module.forward).parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            shapes[name] = {k: _auto_dims(v) for k, v in value.items()}
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            shapes[name] = tuple(_auto_dims(v) for v in value)
+        else:
+            shapes[name] = _auto_dims(value)
+    return shapes or None
+
+
+def _auto_dims(value: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    dims = {0: torch.export.Dim.AUTO}
+    integer = not (value.is_floating_point() or value.is_complex())
+    if value.dim() >= 2 and ((integer and value.dim() == 2) or (not integer and value.dim() == 3)):
+        dims[1] = torch.export.Dim.AUTO
+    return dims
+
+
 class _BoundForward:
     __slots__ = ("__self__",)
 
@@ -568,27 +596,55 @@ class ORTModule(nn.Module):
         return out
 
     # ---------------------------------------------------------------------- export
-    def export_onnx(self, path: str, *example_inputs: Any, dynamic_shapes: Any = None, **export_kwargs: Any) -> str:
+    def export_onnx(self, path: str, *example_inputs: Any, dynamic_shapes: Any = "auto",
+                    kwargs: dict | None = None, **export_kwargs: Any) -> str:
         """Write an eval-mode ONNX model of the wrapped module for plain onnxruntime.
 
-        Uses ``torch.onnx.export(..., dynamo=True)`` on the module in eval mode
-        (dropout off, BatchNorm using its running statistics); the training mode is
-        restored afterwards.
+        Uses ``torch.onnx.export(..., dynamo=True)`` on the module in eval mode (dropout
+        off, BatchNorm using its running statistics); the training mode is restored after.
+
+        Args:
+            path: the ``.onnx`` file to write.
+            example_inputs: positional example inputs; ``kwargs``: keyword ones
+                (``input_ids=..., attention_mask=...``).
+            dynamic_shapes: ``"auto"`` (default): the batch dimension (dim 0) of every tensor
+                input is dynamic, and the sequence dimension (dim 1) of token ids and masks
+                (integer tensors of rank 2) and of rank-3 float inputs; a dimension the model
+                fixes stays fixed (``torch.export.Dim.AUTO``). Use examples with a batch of 2
+                or more: torch.export makes size-1 dimensions static. ``None``: every size as in
+                the example. Anything else goes to ``torch.onnx.export`` as it is (its
+                ``dynamic_shapes``: a dict from ``forward``'s parameter names to
+                ``{dim: torch.export.Dim(...)}``).
+            export_kwargs: more ``torch.onnx.export`` arguments.
+
+        A Hugging Face model is exported with its key/value cache off (``config.use_cache``
+        is False during the export): a cache in the outputs cannot be exported, and a model
+        for plain onnxruntime returns the logits.
 
         Example:
-            >>> model.export_onnx("model.onnx", torch.randn(1, 4))   # doctest: +SKIP
+            >>> model.export_onnx("model.onnx", torch.randn(8, 4))   # doctest: +SKIP
         """
         module = self._ortlab_module
+        kwargs = dict(kwargs or {})
+        if isinstance(dynamic_shapes, str):
+            if dynamic_shapes != "auto":
+                raise ConfigError(f"dynamic_shapes={dynamic_shapes!r}: use 'auto', None or torch.export's form")
+            dynamic_shapes = _auto_dynamic_shapes(module, example_inputs, kwargs)
+        config = getattr(module, "config", None)
+        use_cache = getattr(config, "use_cache", None)
         was_training = module.training
         module.eval()
         try:
+            if use_cache:
+                config.use_cache = False
             with torch.no_grad():
-                program = torch.onnx.export(
-                    module, tuple(example_inputs), dynamo=True, dynamic_shapes=dynamic_shapes, **export_kwargs
-                )
+                program = torch.onnx.export(module, tuple(example_inputs), kwargs=kwargs or None, dynamo=True,
+                                            dynamic_shapes=dynamic_shapes, **export_kwargs)
             program.save(path)
         except Exception as e:
             raise OrtlabError(f"could not export the module for inference: {e}") from e
         finally:
             module.train(was_training)
+            if use_cache:
+                config.use_cache = use_cache
         return path

@@ -134,7 +134,9 @@ def test_export_onnx_for_inference_matches_eager_eval(tmp_path):
     path = om.export_onnx(str(tmp_path / "model.onnx"), torch.randn(2, 3, 5, 5))
     assert om.training  # mode restored
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    x = torch.randn(2, 3, 5, 5)
+    batch, *image = sess.get_inputs()[0].shape
+    assert isinstance(batch, str) and image == [3, 5, 5]  # the batch is dynamic by default, the image is not
+    x = torch.randn(3, 3, 5, 5)  # another batch size than the example's
     (got,) = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})
     om.module.eval()
     with torch.no_grad():
