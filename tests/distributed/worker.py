@@ -1,0 +1,71 @@
+"""One rank of a distributed ORTModule run, launched by tests/test_distributed.py under torchrun.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=2 tests/distributed/worker.py ddp OUT
+
+Each rank trains the same small model on its half of every combined batch for STEPS SGD
+steps (gloo on CPU) and writes its parameters to OUT/rank{R}.pt; the test compares the ranks
+with each other and with one process training on the combined batches.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ortlab
+
+STEPS, BATCH, FEATURES = 4, 8, 6
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 3))
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, FEATURES, generator=g), torch.randint(0, 3, (BATCH,), generator=g))
+            for _ in range(STEPS)]
+
+
+def train(model: nn.Module, rank: int, world: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches():
+        shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        loss = nn.functional.cross_entropy(model(x[shard]), y[shard])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def main(kind: str, out: str) -> None:
+    warnings.simplefilter("ignore")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if kind == "ddp":
+        model = ortlab.ORTModule(make_model())
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    elif kind == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        model = wrapped = ortlab.ORTModule(fully_shard(make_model()))
+    else:
+        raise SystemExit(f"unknown kind {kind!r}")
+    train(wrapped, rank, world)
+    if kind == "fsdp2":
+        state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
+    else:
+        state = model.state_dict()
+    fallbacks = [str(f) for f in model.report.fallbacks]
+    torch.save({"state": state, "fallbacks": fallbacks, "captures": len(model.report.captures)},
+               os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
