@@ -43,9 +43,38 @@ def train(model: nn.Module, rank: int, world: int) -> None:
         opt.step()
 
 
+def train_deepspeed(stage: int, rank: int, world: int, out: str) -> None:
+    """DeepSpeed ZeRO ``stage`` as ONNX Runtime documented it: ``deepspeed.initialize(model=ORTModule(model))``."""
+    import deepspeed
+
+    model = make_model() if os.environ.get("WORKER_PLAIN") else ortlab.ORTModule(make_model())
+    config = {
+        "train_batch_size": BATCH,
+        "train_micro_batch_size_per_gpu": BATCH // world,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                      config=config)
+    for x, y in batches():
+        shard = slice(rank * BATCH // world, (rank + 1) * BATCH // world)
+        loss = nn.functional.cross_entropy(engine(x[shard]), y[shard])
+        engine.backward(loss)
+        engine.step()
+    report = getattr(model, "report", None)
+    fallbacks = [str(f) for f in report.fallbacks] if report else []
+    torch.save({"state": model.state_dict(), "fallbacks": fallbacks, "captures": len(report.captures) if report else 0},
+               os.path.join(out, f"rank{rank}.pt"))
+
+
 def main(kind: str, out: str) -> None:
     warnings.simplefilter("ignore")
-    dist.init_process_group("gloo")
+    if kind.startswith("zero"):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if kind == "ddp":
         model = ortlab.ORTModule(make_model())
@@ -54,6 +83,10 @@ def main(kind: str, out: str) -> None:
         from torch.distributed.fsdp import fully_shard
 
         model = wrapped = ortlab.ORTModule(fully_shard(make_model()))
+    elif kind.startswith("zero"):
+        train_deepspeed(int(kind[-1]), rank, world, out)
+        dist.destroy_process_group()
+        return
     else:
         raise SystemExit(f"unknown kind {kind!r}")
     train(wrapped, rank, world)
