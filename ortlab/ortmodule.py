@@ -25,7 +25,9 @@ import torch.nn as nn
 
 from ortlab._compat.torch import (
     COMPILE_ISOLATION,
+    ddp_active,
     guard_failures_of,
+    without_ddp_optimizer,
     FAKE_TENSOR_LOGGER,
     BackendCompilerFailed,
     TorchDynamoException,
@@ -530,7 +532,11 @@ class ORTModule(nn.Module):
         quiet = _QUIET.active
         quiet.depth = getattr(quiet, "depth", 0) + 1
         try:
-            out = self._ortlab_compiled(*args, **kwargs)
+            if ddp_active():  # see Note [DDP and Dynamo's DDPOptimizer]
+                with without_ddp_optimizer():
+                    out = self._ortlab_compiled(*args, **kwargs)
+            else:
+                out = self._ortlab_compiled(*args, **kwargs)
         except BackendCompilerFailed as e:
             inner = getattr(e, "inner_exception", None) or e.__cause__
             if isinstance(inner, OrtlabError):

@@ -50,6 +50,8 @@ __all__ = [
     "LINEAR_TARGETS",
     "COMPILE_ISOLATION",
     "guard_failures_of",
+    "ddp_active",
+    "without_ddp_optimizer",
     "from_dlpack_capsule",
     "ONNX_IR_VERSION",
     "ONNXRegistry",
@@ -240,3 +242,23 @@ def guard_failures_of(module: torch.nn.Module) -> list[str]:
             text = rest
         out.append(" ".join(text.split()))
     return out
+
+
+# Note [DDP and Dynamo's DDPOptimizer]
+# When a module compiles while ``DistributedDataParallel.forward`` runs (``DDP(ORTModule(m))``),
+# Dynamo hands the graph to its DDPOptimizer instead of the backend: it splits the graph at
+# DDP's gradient buckets and compiles each piece, to overlap each bucket's all-reduce with the
+# rest of the backward. With ortlab's backend the pieces' backward compiles did not line up
+# ("AssertionError: expected same # of fw and bw compiles, but found bucket -1", a GPT under
+# torchrun), and onnxruntime would run many small graphs. ORTModule compiles with it off
+# (``optimize_ddp=False``, only while DDP is active): DDP's reducer all-reduces the gradients
+# as the backward produces them, as for any module. ``_get_active_ddp_module`` is the private
+# classmethod Dynamo itself asks (2.0+).
+def ddp_active() -> bool:
+    """Whether a ``DistributedDataParallel`` forward is running (the module it runs is being called)."""
+    return torch.nn.parallel.DistributedDataParallel._get_active_ddp_module() is not None
+
+
+def without_ddp_optimizer() -> Any:
+    """A context in which Dynamo compiles without its DDPOptimizer (see Note [DDP and Dynamo's DDPOptimizer])."""
+    return torch._dynamo.config.patch(optimize_ddp=False)

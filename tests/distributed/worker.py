@@ -78,7 +78,8 @@ def main(kind: str, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     if kind == "ddp":
         model = ortlab.ORTModule(make_model())
-        wrapped = nn.parallel.DistributedDataParallel(model)
+        # Tiny buckets: Dynamo's DDPOptimizer would split the graph at each (see Note [DDP and Dynamo's DDPOptimizer]).
+        wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0001)
     elif kind == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
