@@ -396,7 +396,9 @@ class ORTModule(nn.Module):
             return getattr(self.__dict__["_ortlab_module"], name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in _OWN or name == "training" or not hasattr(self, "_ortlab_module"):
+        # "__class__" too: FSDP2's fully_shard swaps the class of the module it is given, which
+        # is the wrapper; passed on, it swapped the wrapped module's and broke both.
+        if name in _OWN or name == "training" or name == "__class__" or not hasattr(self, "_ortlab_module"):
             object.__setattr__(self, name, value)
         elif isinstance(value, (nn.Parameter, nn.Module)) or name in self._buffers:
             super().__setattr__(name, value)  # lands in the shared dicts

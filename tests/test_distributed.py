@@ -85,3 +85,12 @@ def test_deepspeed_zero_two_processes_match_one_process(stage, tmp_path):
     (plain, _) = _ranks(f"zero{stage}", tmp_path / "plain", plain=True)
     ranks = _check(f"zero{stage}", tmp_path / "ortlab", reference=plain["state"])
     assert all(r["captures"] >= 1 and not r["fallbacks"] for r in ranks), "each rank trained in onnxruntime"
+
+
+@pytest.mark.timeout(900)
+def test_fsdp2_around_the_ortmodule_trains_in_onnxruntime_like_one_process(tmp_path):
+    """``fully_shard(ORTModule(model))``: FSDP2 gathers the parameters before the wrapper's forward, and the
+    captured graphs run in onnxruntime. (fully_shard swaps the class of the module it is given; ORTModule
+    used to pass that on to the wrapped module.)"""
+    ranks = _check("fsdp2-outer", tmp_path)
+    assert all(r["captures"] >= 1 and not r["fallbacks"] for r in ranks), "each rank trained in onnxruntime"

@@ -84,6 +84,10 @@ def main(kind: str, out: str) -> None:
         from torch.distributed.fsdp import fully_shard
 
         model = wrapped = ortlab.ORTModule(fully_shard(make_model()))
+    elif kind == "fsdp2-outer":
+        from torch.distributed.fsdp import fully_shard
+
+        model = wrapped = fully_shard(ortlab.ORTModule(make_model()))
     elif kind.startswith("zero"):
         train_deepspeed(int(kind[-1]), rank, world, out)
         dist.destroy_process_group()
@@ -91,7 +95,7 @@ def main(kind: str, out: str) -> None:
     else:
         raise SystemExit(f"unknown kind {kind!r}")
     train(wrapped, rank, world)
-    if kind == "fsdp2":
+    if kind.startswith("fsdp2"):
         state = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model.state_dict().items()}
     else:
         state = model.state_dict()
