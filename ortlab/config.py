@@ -32,7 +32,7 @@ from typing import Union
 from ortlab._cache_files import prepare_folder
 from ortlab.errors import ConfigError
 
-__all__ = ["LogLevel", "DebugOptions", "Options", "RECOMPUTE_PRESETS", "OPT_LEVELS", "tune_openmp_enabled"]
+__all__ = ["LogLevel", "DebugOptions", "Options", "RECOMPUTE_PRESETS", "parse_recompute", "describe_recompute", "OPT_LEVELS", "tune_openmp_enabled"]
 
 # The recompute presets and what each does: the one table (the toggles show it too).
 RECOMPUTE_PRESETS: dict[str, str] = {
@@ -44,6 +44,32 @@ OPT_LEVELS = ("disable", "basic", "extended", "all")
 FALLBACK_MODES = ("warn", "raise")
 
 RecomputeSpec = Union[str, Sequence[str]]
+
+
+def parse_recompute(spec: RecomputeSpec) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
+    """A recompute policy as (preset, selectors added, selectors removed).
+
+    ``"layerwise"`` is a preset alone; ``("layerwise", "+gelu_3", "-op:aten.clone")`` the preset
+    with one more activation recomputed and the clones saved; a list without a preset first
+    (``["gelu_3"]``) adds to ``"none"`` (a bare selector means ``+selector``).
+
+    Example:
+        >>> parse_recompute(("layerwise", "+gelu_3", "-clone"))
+        ('layerwise', ('gelu_3',), ('clone',))
+    """
+    if isinstance(spec, str):
+        return spec, (), ()
+    items = list(spec)
+    preset = items.pop(0) if items and items[0] in RECOMPUTE_PRESETS else "none"
+    added = tuple(s[1:] if s.startswith("+") else s for s in items if not s.startswith("-"))
+    removed = tuple(s[1:] for s in items if s.startswith("-"))
+    return preset, added, removed
+
+
+def describe_recompute(spec: RecomputeSpec) -> str:
+    """The policy as one short line: ``layerwise +gelu_3 -clone``."""
+    preset, added, removed = parse_recompute(spec)
+    return " ".join([preset, *(f"+{s}" for s in added), *(f"-{s}" for s in removed)])
 
 
 class LogLevel(enum.IntEnum):
@@ -163,6 +189,10 @@ class Options:
             checkpointing per layer) or a sequence of selectors naming saved
             activations to recompute: an FX node name (``"gelu_3"``), an op
             (``"op:aten.gelu"``) or a module path prefix (``"module:blocks.0.mlp"``).
+            A preset first composes with rows: ``("layerwise", "+gelu_3", "-op:aten.clone")``
+            recomputes what layerwise does, plus ``gelu_3``, and saves the clones. A row
+            that would make the plan save more bytes is left out, with its reason in the
+            plan (``RecomputePlan.rejected``).
         fallback: ``"warn"`` runs what onnxruntime cannot run in PyTorch, warning
             once per reason; ``"raise"`` turns every fallback into a ``FallbackError``.
         fallback_ops: ops to run in PyTorch on purpose, e.g. ``["aten.gelu"]``, or
@@ -242,9 +272,13 @@ class Options:
                 )
         else:
             self.recompute = tuple(self.recompute)
-            bad = [s for s in self.recompute if not isinstance(s, str) or not s]
+            bad = [s for s in self.recompute if not isinstance(s, str) or not s or s in ("+", "-")]
             if bad:
                 raise ConfigError(f"recompute selectors must be non-empty strings, got {bad!r}.")
+            late = [s for s in self.recompute[1:] if s in RECOMPUTE_PRESETS]
+            if late:
+                raise ConfigError(f"recompute: a preset ({late[0]!r}) may only come first, e.g. "
+                                  f"({late[0]!r}, '+gelu_3', '-op:aten.clone').")
         if self.cache_dir is not None:  # see Note [Who may write the cache folder] in ortlab._cache_files
             prepare_folder(self.cache_dir)
         if isinstance(self.fallback_ops, str):

@@ -26,6 +26,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from ortlab.config import describe_recompute, parse_recompute
 from ortlab._compat.torch import OpOverload, default_partition, forward_region, min_cut_rematerialization_partition
 from ortlab.provenance import module_path, op_name, source_line
 from ortlab.sizes import value_bytes
@@ -86,12 +87,14 @@ class RecomputePlan:
         activations: every activation the no-recompute partition saves.
         saved_bytes: bytes the chosen partition actually saves (at the example sizes).
         baseline_bytes: bytes the no-recompute partition saves.
+        rejected: rows of the policy (``"+gelu_3"``) left out, and why (see Note [Rows never add bytes]).
     """
 
     policy: str
     activations: list[SavedActivation]
     saved_bytes: int
     baseline_bytes: int
+    rejected: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def recomputed(self) -> list[SavedActivation]:
@@ -162,26 +165,43 @@ def _tag_layerwise(joint: torch.fx.GraphModule, num_fwd_outputs: int) -> dict[st
     return reasons
 
 
-def _tag_selected(joint: torch.fx.GraphModule, num_fwd_outputs: int, selectors: Sequence[str]) -> dict[str, str]:
+def _matches(node: torch.fx.Node, sel: str) -> bool:
+    if sel.startswith("op:"):
+        return op_name(_producer(node)) == sel[3:] or str(node.target).startswith(sel[3:])
+    if sel.startswith("module:"):
+        path = module_path(node)
+        return path == sel[7:] or path.startswith(sel[7:] + ".")
+    return node.name == sel
+
+
+def _tag_selected(joint: torch.fx.GraphModule, num_fwd_outputs: int, selectors: Sequence[str],
+                  policy: CheckpointPolicy = CheckpointPolicy.MUST_RECOMPUTE,
+                  prefix: str = "selected by") -> dict[str, str]:
     reasons: dict[str, str] = {}
     forward = _forward_nodes(joint, num_fwd_outputs)
     for node in forward:
         if not _recomputable(node):
             continue
         for sel in selectors:
-            if sel.startswith("op:"):
-                hit = op_name(_producer(node)) == sel[3:] or str(node.target).startswith(sel[3:])
-            elif sel.startswith("module:"):
-                path = module_path(node)
-                hit = path == sel[7:] or path.startswith(sel[7:] + ".")
-            else:
-                hit = node.name == sel
-            if hit:
-                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-                reasons[node.name] = f"selected by {sel!r}"
+            if _matches(node, sel):
+                node.meta["recompute"] = policy
+                reasons[node.name] = f"{prefix} {sel!r}"
                 break
-    _tag_view_users(forward, reasons)
+    if policy == CheckpointPolicy.MUST_RECOMPUTE:
+        _tag_view_users(forward, reasons)
     return reasons
+
+
+def _tags(joint: torch.fx.GraphModule) -> dict[torch.fx.Node, object]:
+    return {n: n.meta.get("recompute") for n in joint.graph.nodes}
+
+
+def _restore(tags: dict[torch.fx.Node, object]) -> None:
+    for node, tag in tags.items():
+        if tag is None:
+            node.meta.pop("recompute", None)
+        else:
+            node.meta["recompute"] = tag
 
 
 # In PyTorch a saved view shares its base's storage; in onnxruntime a view op (Reshape,
@@ -239,6 +259,51 @@ def _save_recompute_inputs(joint: torch.fx.GraphModule) -> None:
                 inp.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
+# Note [Rows never add bytes]
+# A row added to a preset ("+ln_2") recomputes one more activation, but what it is rebuilt
+# from must then be saved; inside a layerwise plan those inputs were themselves recomputed,
+# and the toggles once went from 238,852 to 764,932 saved bytes (and 2.26x slower) for one
+# ticked row. So rows are added one at a time on top of the preset, each kept only if the
+# partition it gives saves no more bytes than without it; a row that would is left out, with
+# the bytes it would have cost, in ``RecomputePlan.rejected``. One partition per row
+# (~0.1-0.3 s each), at capture time only.
+def _add_rows(joint: torch.fx.GraphModule, num_fwd_outputs: int, added: Sequence[str], reasons: dict[str, str],
+              rejected: dict[str, str], split, fw: torch.fx.GraphModule,  # noqa: ANN001
+              bw: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    best = _fw_saved_bytes(fw, num_fwd_outputs)
+    for sel in added:
+        before = _tags(joint)
+        row_reasons = _tag_selected(joint, num_fwd_outputs, [sel], prefix="added by")
+        if not row_reasons:
+            rejected[sel] = "matches no activation that can be recomputed"
+            continue
+        try:
+            new_fw, new_bw = split()
+        except Exception as e:  # noqa: BLE001 - a row the partitioner cannot honour is left out, said why
+            _restore(before)
+            rejected[sel] = f"the partitioner could not recompute it: {str(e).splitlines()[0][:200]}"
+            continue
+        new_bytes = _fw_saved_bytes(new_fw, num_fwd_outputs)
+        if new_bytes > best:
+            _restore(before)
+            rejected[sel] = (f"recomputing it would save {new_bytes - best:,} more bytes: what it is rebuilt from "
+                             "would have to be saved instead")
+            continue
+        best, fw, bw = new_bytes, new_fw, new_bw
+        reasons.update(row_reasons)
+    return fw, bw
+
+
+def _fw_saved_bytes(fw: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
+    nodes = {n.name: n for n in fw.graph.nodes}
+    total = 0
+    for name in _saved_nodes(fw, num_fwd_outputs):
+        node = nodes.get(name)
+        if node is not None and _producer(node).op != "placeholder":
+            total += value_bytes(node.meta.get("val"))[2]
+    return total
+
+
 def partition_joint(
     joint: torch.fx.GraphModule,
     joint_inputs: Sequence[object],
@@ -258,17 +323,27 @@ def partition_joint(
     base_fw, base_bw = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
     baseline = _saved_nodes(base_fw, num_fwd_outputs)
     reasons: dict[str, str] = {}
-    if policy == "none":
-        fw, bw = base_fw, base_bw
-    elif policy == "auto":
-        fw, bw = min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-    else:
-        if policy == "layerwise":
-            reasons = _tag_layerwise(joint, num_fwd_outputs)
-        else:
-            reasons = _tag_selected(joint, num_fwd_outputs, policy)
+    rejected: dict[str, str] = {}
+    preset, added, removed = parse_recompute(policy)
+
+    def split() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         _save_recompute_inputs(joint)
-        fw, bw = default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        if preset == "auto":  # the min-cut partitioner honours the tags, as in selective checkpointing
+            return min_cut_rematerialization_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+        return default_partition(joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+    if preset == "none" and not added and not removed:
+        fw, bw = base_fw, base_bw
+    else:
+        if preset == "layerwise":
+            reasons = _tag_layerwise(joint, num_fwd_outputs)
+        if removed:
+            kept = _tag_selected(joint, num_fwd_outputs, removed, CheckpointPolicy.MUST_SAVE, "saved by")
+            for name in kept:
+                reasons.pop(name, None)
+        fw, bw = split()
+        if added:
+            fw, bw = _add_rows(joint, num_fwd_outputs, added, reasons, rejected, split, fw, bw)
     saved = set(_saved_nodes(fw, num_fwd_outputs))
     activations = []
     for name in baseline:
@@ -278,7 +353,9 @@ def partition_joint(
         val = (node.meta.get("val") if node is not None else None)
         shape, dtype, nbytes = value_bytes(val)
         recomputed = name not in saved
-        reason = reasons.get(name, "min-cut partitioner: cheaper to recompute than to save" if recomputed else "")
+        default = ("min-cut partitioner: cheaper to recompute than to save" if preset == "auto"
+                   else "not saved: the backward reads a later value computed from it")
+        reason = reasons.get(name, default if recomputed else "")
         activations.append(
             SavedActivation(
                 name=name,
@@ -292,14 +369,10 @@ def partition_joint(
                 reason=reason,
             )
         )
-    saved_bytes = 0
-    fw_nodes = {n.name: n for n in fw.graph.nodes}
-    for name in saved:
-        node = fw_nodes.get(name)
-        if node is not None and _producer(node).op != "placeholder":
-            saved_bytes += value_bytes(node.meta.get("val"))[2]
+    saved_bytes = _fw_saved_bytes(fw, num_fwd_outputs)
     plan = RecomputePlan(
-        policy=policy if isinstance(policy, str) else ",".join(policy),
+        policy=describe_recompute(policy),
+        rejected=rejected,
         activations=activations,
         saved_bytes=saved_bytes,
         baseline_bytes=sum(a.bytes for a in activations),

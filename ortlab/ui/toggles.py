@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ortlab._compat.torch import OpOverload
-from ortlab.config import RECOMPUTE_PRESETS
+from ortlab.config import RECOMPUTE_PRESETS, describe_recompute, parse_recompute
 from ortlab.errors import CaptureError, ConfigError, UnsupportedInputError
 from ortlab.inspect.loss import default_loss
 from ortlab.ortmodule import ORTModule
@@ -164,10 +164,12 @@ class RecomputeToggles:
         return plan
 
     def recomputed(self) -> set[str]:
-        """Names the pending choice recomputes (for presets: what the current plan does)."""
-        if isinstance(self.pending, tuple):
-            return set(self.pending)
-        return {a.name for a in self.plan.recomputed} if self.pending == self.run.om.options.recompute else set()
+        """Names the pending choice recomputes: the plan in force, with the pending rows on it."""
+        preset, added, removed = parse_recompute(self.pending)
+        in_force = {a.name for a in self.plan.recomputed}
+        if parse_recompute(self.run.om.options.recompute)[0] != preset:
+            in_force = set()  # another preset: its plan is known after Apply
+        return (in_force | set(added)) - set(removed)
 
     def preset(self, name: str) -> None:
         if name not in RECOMPUTE_PRESETS:
@@ -175,13 +177,24 @@ class RecomputeToggles:
         self.pending = name
 
     def toggle(self, name: str, recompute: bool) -> None:
-        """Recompute (or save) one activation; switches to an explicit selection."""
+        """Recompute (or save) one activation on top of the pending preset: ``("layerwise", "+name")``.
+
+        The preset's own choices stay (see Note [Rows never add bytes] in ortlab.partition.recompute).
+        """
         known = {a.name for a in self.plan.activations}
         if name not in known:
             raise ConfigError(f"{name!r} is not a saved activation; known: {sorted(known)[:8]}...")
-        chosen = self.recomputed()
-        chosen = chosen | {name} if recompute else chosen - {name}
-        self.pending = tuple(sorted(chosen)) or "none"
+        preset, added, removed = parse_recompute(self.pending)
+        added, removed = [a for a in added if a != name], [r for r in removed if r != name]
+        preset_recomputes = name in {a.name for a in self.plan.recomputed} and \
+            parse_recompute(self.run.om.options.recompute)[0] == preset and \
+            name not in parse_recompute(self.run.om.options.recompute)[1]
+        if recompute and not preset_recomputes:
+            added.append(name)
+        elif not recompute and preset_recomputes:
+            removed.append(name)
+        rows = [*(f"+{a}" for a in added), *(f"-{r}" for r in removed)]
+        self.pending = (preset, *rows) if rows else preset
 
     def apply(self) -> ApplyResult:
         """Re-capture with the pending choice and measure saved bytes and step time."""
@@ -210,7 +223,7 @@ class RecomputeToggles:
         linker = _linker(self.run.om)
         widths = [130, 190, 90, 70, 80, 130]
         presets = w.ToggleButtons(options=list(RECOMPUTE_PRESETS), tooltips=list(RECOMPUTE_PRESETS.values()),
-                                  value=self.pending if isinstance(self.pending, str) else None)
+                                  value=parse_recompute(self.pending)[0])
         boxes: dict[str, Any] = {}
         cells: dict[str, Any] = {}
 
@@ -258,7 +271,11 @@ class RecomputeToggles:
 
     def _summary(self) -> str:
         p = self.plan
-        return f"policy <code>{esc(p.policy)}</code>: {len(p.recomputed)} recomputed, {p.saved_bytes:,} bytes saved (without recompute {p.baseline_bytes:,})"
+        text = (f"policy in force <code>{esc(describe_recompute(self.run.om.options.recompute))}</code>: "
+                f"{len(p.recomputed)} recomputed, {p.saved_bytes:,} bytes saved (without recompute {p.baseline_bytes:,})")
+        for row, why in p.rejected.items():
+            text += f"<br>left out <code>+{esc(row)}</code>: {esc(why)}"
+        return text
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

@@ -47,14 +47,29 @@ def test_recompute_presets_and_rows(gpt_and_batch):
     assert "saved activations" in str(result)
     # Measuring steps leave the user's gradients alone.
     assert all(g is None for g in grads_before) and all(p.grad is None for p in om.parameters())
-    # One activation at a time: explicit selection.
+    # One activation at a time, on top of the preset in force.
     toggles.preset("none")
     toggles.apply()
     name = next(a.name for a in toggles.plan.activations if a.op == "aten.gelu")
     toggles.toggle(name, True)
-    assert toggles.pending == (name,)
+    assert toggles.pending == ("none", f"+{name}")
     toggles.apply()
     assert [a.name for a in toggles.plan.recomputed] == [name]
+    assert "policy in force <code>none +" in toggles._summary()
+    # On layerwise, a row keeps the preset (it used to become a bare list and lose the layers):
+    # ticking one more activation never saves more, unticking one of the preset's saves it.
+    toggles.preset("layerwise")
+    toggles.apply()
+    layerwise_bytes = toggles.plan.saved_bytes
+    saved = next(a.name for a in toggles.plan.activations if not a.recomputed)
+    toggles.toggle(saved, True)
+    assert toggles.pending == ("layerwise", f"+{saved}")
+    toggles.apply()
+    assert toggles.plan.saved_bytes <= layerwise_bytes
+    assert om.options.recompute == ("layerwise", f"+{saved}")
+    recomputed = next(a.name for a in toggles.plan.recomputed if a.name != saved)
+    toggles.toggle(recomputed, False)
+    assert toggles.pending == ("layerwise", f"+{saved}", f"-{recomputed}")
     with pytest.raises(ortlab.ConfigError, match="not a saved activation"):
         toggles.toggle("nope", True)
     with pytest.raises(ortlab.ConfigError, match="choose one of"):
