@@ -15,6 +15,7 @@ nn.Module and source line are in netron's sidebar.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -72,22 +73,79 @@ def _linker(om: ORTModule) -> Linker:
     return module_linker(om)
 
 
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Step times of one configuration: median, and the spread (min to max) of the steps measured.
+
+    Steps after a re-capture only: the capture step is warm-up and never counted.
+    """
+
+    samples: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def low(self) -> float:
+        return min(self.samples)
+
+    @property
+    def high(self) -> float:
+        return max(self.samples)
+
+    def __str__(self) -> str:
+        return f"{1000 * self.median:.1f} ms ({1000 * self.low:.1f}-{1000 * self.high:.1f}, {len(self.samples)} steps)"
+
+
+def compare_timings(before: Timing, after: Timing) -> str:
+    """``before -> after`` with the ratio, or "within noise" when the spreads overlap.
+
+    Note [Noisy timings are not findings]: a single step on a shared 2-core machine varies by
+    tens of percent ("0.72x", "2.26x slower" were single readings). Each side is the median of
+    several steps with its spread, and a difference the spreads cover is called noise.
+    """
+    ratio = after.median / before.median if before.median else float("nan")
+    overlap = after.low <= before.high and before.low <= after.high
+    verdict = "within noise" if overlap else (f"{1 / ratio:.2f}x faster" if ratio < 1 else f"{ratio:.2f}x slower")
+    return f"step {before} -> {after}: {verdict}"
+
+
 @dataclasses.dataclass
 class ApplyResult:
     """What applying a new choice changed."""
 
     before_bytes: int
     after_bytes: int
-    before_step_s: float
-    after_step_s: float
+    before: Timing
+    after: Timing
     choice: object
 
+    @property
+    def before_step_s(self) -> float:
+        return self.before.median
+
+    @property
+    def after_step_s(self) -> float:
+        return self.after.median
+
     def __str__(self) -> str:
-        ratio = self.after_step_s / self.before_step_s if self.before_step_s else float("nan")
-        return (
-            f"saved activations {self.before_bytes:,} -> {self.after_bytes:,} bytes; "
-            f"step {1000 * self.before_step_s:.1f} -> {1000 * self.after_step_s:.1f} ms ({ratio:.2f}x)"
-        )
+        return f"saved activations {self.before_bytes:,} -> {self.after_bytes:,} bytes; " + compare_timings(
+            self.before, self.after)
+
+
+@dataclasses.dataclass
+class FallbackApplyResult:
+    """What applying new fallback ops changed: ops in PyTorch, and the step time."""
+
+    before_torch_ops: int
+    after_torch_ops: int
+    before: Timing
+    after: Timing
+
+    def __str__(self) -> str:
+        return (f"ops in PyTorch {self.before_torch_ops} -> {self.after_torch_ops}; "
+                + compare_timings(self.before, self.after))
 
 
 class _Measured:
@@ -123,10 +181,11 @@ class _Measured:
         if not self.om.report.captures:
             self.step()
 
-    def timed(self) -> float:
-        """Median of five steps (after the engine has captured)."""
+    def timed(self, steps: int = 7) -> Timing:
+        """``steps`` steps after the engine has captured (see Note [Noisy timings are not findings])."""
         self.ensure_captured()
-        return sorted(self.step() for _ in range(5))[2]
+        self.step()  # one more warm-up: the first run of new sessions allocates
+        return Timing(tuple(self.step() for _ in range(steps)))
 
 
 def _plan(om: ORTModule) -> RecomputePlan | None:
@@ -307,6 +366,7 @@ class FallbackToggles:
         self.run = _Measured(om, inputs, kwargs, loss_fn)
         self.run.ensure_captured()
         self.pending: list[str] = list(om.options.fallback_ops)
+        self.history: list[FallbackApplyResult] = []
 
     def rows(self) -> list[OpRow]:
         """Every op type per module across the captured graphs, with its placement."""
@@ -348,11 +408,17 @@ class FallbackToggles:
         if not to_pytorch:
             self.pending = [e for e in self.pending if e != entry]
 
-    def apply(self) -> list[OpRow]:
-        """Re-capture with the pending ``fallback_ops``; returns the new placement."""
+    def apply(self) -> FallbackApplyResult:
+        """Re-capture with the pending ``fallback_ops``; ``rows()`` then gives the new placement."""
+        before_ops, before_s = self._torch_ops(), self.run.timed()
         self.run.om.reconfigure(fallback_ops=list(self.pending))
-        self.run.ensure_captured()
-        return self.rows()
+        after_s = self.run.timed()
+        result = FallbackApplyResult(before_ops, self._torch_ops(), before_s, after_s)
+        self.history.append(result)
+        return result
+
+    def _torch_ops(self) -> int:
+        return sum(g.torch_nodes for c in self.run.om.report.captures for g in c.graphs)
 
     def widget(self) -> Any:
         """An ipywidgets view: one checkbox per op type and module (the op linked to its first
@@ -384,10 +450,11 @@ class FallbackToggles:
         apply = w.Button(description="Apply", button_style="primary")
 
         def on_apply(_: object) -> None:
-            status.value = "<i>re-capturing...</i>"
-            self.apply()
+            status.value = "<i>re-capturing and measuring...</i>"
+            result = self.apply()
             linker.forget()  # the module re-captured: new graphs
             render()
+            status.value += f"<br><b>{esc(result)}</b>"
 
         apply.on_click(on_apply)
         render()

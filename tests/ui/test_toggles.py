@@ -45,6 +45,7 @@ def test_recompute_presets_and_rows(gpt_and_batch):
     assert result.after_bytes * 2 <= result.before_bytes == before
     assert result.before_step_s > 0 and result.after_step_s > 0
     assert "saved activations" in str(result)
+    assert len(result.after.samples) >= 5 and " steps)" in str(result)
     # Measuring steps leave the user's gradients alone.
     assert all(g is None for g in grads_before) and all(p.grad is None for p in om.parameters())
     # One activation at a time, on top of the preset in force.
@@ -111,7 +112,11 @@ def test_fallback_toggles_send_and_back(gpt_and_batch):
     assert {r.module for r in gelu} == {"blocks.0", "blocks.1"} and all(r.where == "onnxruntime" for r in gelu)
     toggles.send("aten.gelu", module="blocks.0")
     with pytest.warns(ortlab.FallbackWarning):
-        rows = toggles.apply()
+        result = toggles.apply()
+    rows = toggles.rows()
+    # Before and after, each the median of several steps with its spread, or "within noise".
+    assert result.after_torch_ops > result.before_torch_ops == 0
+    assert len(result.before.samples) >= 5 and ("within noise" in str(result) or "x " in str(result))
     placed = {(r.op, r.module): r for r in rows}
     assert placed[("aten.gelu", "blocks.0")].where == "PyTorch"
     assert "fallback_ops" in placed[("aten.gelu", "blocks.0")].reason
@@ -125,7 +130,8 @@ def test_fallback_toggles_send_and_back(gpt_and_batch):
     moved = _query(toggles.url(placed[("aten.gelu", "blocks.0")], linker))
     assert moved["node"] == "gelu" and "forward_fused" in moved["file"]
     toggles.send("aten.gelu", module="blocks.0", to_pytorch=False)
-    rows = toggles.apply()
+    toggles.apply()
+    rows = toggles.rows()
     assert all(r.where == "onnxruntime" for r in rows if r.op == "aten.gelu")
     view = toggles.widget()
     grid, viewer = view.children[2], view.children[-1]
@@ -133,3 +139,13 @@ def test_fallback_toggles_send_and_back(gpt_and_batch):
     linked = [_link(row.children[1].value) for row in grid.children]
     assert sum(1 for x in linked if x) > len(rows) // 2  # ops onnxscript folded away have no node
     assert all(f'name="{x[2]}"' in viewer.value for x in linked if x)
+
+
+def test_timings_are_medians_and_overlapping_spreads_are_noise():
+    from ortlab.ui.toggles import Timing, compare_timings
+
+    a, b = Timing((0.010, 0.011, 0.012)), Timing((0.0105, 0.0115, 0.013))
+    assert "within noise" in compare_timings(a, b)
+    fast = Timing((0.005, 0.0052, 0.0051))
+    assert "2.16x faster" in compare_timings(a, fast) and "11.0 ms (10.0-12.0, 3 steps)" in compare_timings(a, fast)
+    assert "slower" in compare_timings(fast, a)
