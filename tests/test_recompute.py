@@ -131,3 +131,14 @@ def test_rows_on_a_preset_never_add_saved_bytes_and_keep_results(gpt_and_batch):
 def test_a_preset_only_comes_first():
     with pytest.raises(ortlab.ConfigError, match="may only come first"):
         ortlab.ORTModule(torch.nn.Linear(2, 2), recompute=("+gelu", "layerwise"))
+
+
+def test_plan_table_cut_to_whole_rows(gpt_and_batch):
+    model, batch = gpt_and_batch
+    om, _, _ = run(model, batch, recompute="none")
+    plan = om.report.captures[0].plan
+    text = plan.table(max_rows=3)
+    lines = text.splitlines()
+    assert len(lines) == 5 and lines[-1].startswith(f"... {len(plan.activations) - 3} smaller activations")
+    biggest = sorted(plan.activations, key=lambda a: -a.bytes)[0]
+    assert lines[1].startswith(biggest.name)

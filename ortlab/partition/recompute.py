@@ -100,13 +100,20 @@ class RecomputePlan:
     def recomputed(self) -> list[SavedActivation]:
         return [a for a in self.activations if a.recomputed]
 
-    def table(self) -> str:
-        """A plain-text table of the saved activations."""
+    def table(self, max_rows: int | None = None) -> str:
+        """A plain-text table of the saved activations, largest first when cut to ``max_rows``
+        (whole rows only, and a last line saying how many were left out)."""
+        chosen = self.activations
+        if max_rows is not None and len(chosen) > max_rows:
+            chosen = sorted(chosen, key=lambda a: -a.bytes)[:max_rows]
         rows = [("name", "op", "shape", "dtype", "bytes", "module", "recomputed")]
-        for a in self.activations:
+        for a in chosen:
             rows.append((a.name, a.op, "x".join(map(str, a.shape)) or "scalar", a.dtype, f"{a.bytes:,}", a.module or "-", "yes" if a.recomputed else "no"))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+        text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+        if len(chosen) < len(self.activations):
+            text += f"\n... {len(self.activations) - len(chosen)} smaller activations not shown (table() lists all)"
+        return text
 
 
 def _saved_nodes(fw: torch.fx.GraphModule, num_fwd_outputs: int) -> list[str]:
