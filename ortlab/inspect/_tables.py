@@ -40,7 +40,13 @@ def _graph_kinds(result: CompareResult) -> list[str]:
 
 
 def _verdict(result: CompareResult) -> str:
-    return "OK" if result.ok else ("DIVERGED" if not result.matches else "INTERMEDIATES DIVERGE")
+    noise = any(c.fp32_noise for c in result.step)
+    if result.ok:
+        return "OK (differences within fp32 noise, judged against float64)" if noise else "OK"
+    if not result.matches:
+        return "DIVERGED"
+    return ("MATCHES within fp32 noise (judged against float64); some intermediates beyond tolerance" if noise
+            else "INTERMEDIATES DIVERGE")
 
 
 def result_text(result: CompareResult) -> str:
@@ -52,11 +58,14 @@ def result_text(result: CompareResult) -> str:
             continue
         bad = [c for c in group if not c.ok]
         worst = max((c for c in group if c.stats), key=lambda c: c.stats.worst_ratio, default=None)  # type: ignore[union-attr]
+        noise = sum(1 for c in group if c.fp32_noise)
         text = f"  {label:<8} {len(group) - len(bad)}/{len(group)} within tolerance"
+        text += f" ({noise} of them fp32 noise, judged against float64)" if noise else ""
         if worst is not None and worst.stats is not None:
             text += f"; worst {worst.name}: max abs {worst.stats.max_abs:.3g}, max rel {worst.stats.max_rel:.3g}"
         lines.append(text)
         lines.extend(f"           {c.name}: {c.note}" for c in bad if c.note)
+        lines.extend(f"           {c.name}: out of tolerance, but {c.fp32_noise}" for c in group if c.fp32_noise)
     compared = [n for n in result.nodes if n.stats is not None]
     lines.append(f"intermediates: {len(compared)} compared, {len(result.diverged_nodes)} out of tolerance, "
                  f"{sum(n.runtime == 'pytorch' for n in result.nodes)} ran in PyTorch")

@@ -126,6 +126,79 @@ def _compare_steps(ort: _Step, eager: _Step, rtol: float, atol: float) -> tuple[
     return outputs, loss, grads, buffers
 
 
+# Note [Judged against float64]
+# fp32 results of two correct implementations differ by rounding, and some models amplify it:
+# a ResNet-18's batch norm backward (batch 16, 2x2 spatial in the last stage) gave conv1.weight
+# gradients 0.2 apart (relative) between eager and ortlab, and compare called it DIVERGED.
+# A float64 run of eager is the arbiter: when a value is out of tolerance, and ortlab's value
+# is no further from the float64 one than eager's is (within 2x), the difference is fp32
+# noise, shown as such and not counted against the step. The float64 run is trusted only if
+# its loss is near eager's (random ops may draw differently in float64, and ops without a
+# float64 kernel fail): otherwise a note says why it was not used.
+# Below this deviation from float64 (relative to the largest element; a tenth of the default
+# rtol, ~100 fp32 ulps, what a sum of a few hundred fp32 terms can drift) a value is fp32
+# rounding whatever eager's own deviation happens to be.
+FP32_FLOOR = 1e-5
+
+
+def _has_float32(step: _Step) -> bool:
+    values = [v for _, v in step.outputs] + [step.loss] + list(step.grads.values())
+    return any(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in values)
+
+
+def _deviation(value: Any, exact: Any) -> float | None:
+    if not (isinstance(value, torch.Tensor) and isinstance(exact, torch.Tensor)) or value.shape != exact.shape:
+        return None
+    if not value.is_floating_point():
+        return None
+    scale = exact.abs().max().item() or 1.0
+    return (value.double() - exact.double()).abs().nan_to_num(0.0).max().item() / scale
+
+
+def _judge_against_float64(result: CompareResult, model: nn.Module, inputs: tuple, kwargs: dict,
+                           loss_fn: Callable[[Any], Any], seed: int, ort: _Step, eager: _Step) -> None:
+    def to64(t: Any) -> Any:
+        return t.detach().double().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) and \
+            t.dtype == torch.float32 else t
+
+    try:
+        exact_model = copy.deepcopy(model).double()
+        for p in exact_model.parameters():
+            p.grad = None
+        args64, kwargs64 = pytree.tree_map(to64, (inputs, kwargs))
+        exact = _run_step(exact_model, args64, kwargs64, loss_fn, seed)
+    except Exception as e:  # noqa: BLE001 - the float64 run is an aid; without it the verdict stands
+        result.notes.append(f"no float64 reference (it would tell fp32 noise from divergence): {str(e)[:200]}")
+        return
+    if eager.loss is not None and exact.loss is not None:
+        gap = _deviation(eager.loss, exact.loss)
+        if gap is None or gap > 1e-3:
+            result.notes.append("the float64 reference was not used: its loss differs from eager's beyond fp32 "
+                                "rounding (random ops may draw other numbers in float64)")
+            return
+    values = {
+        "output": (dict(ort.outputs), dict(eager.outputs), dict(exact.outputs)),
+        "loss": ({"loss": ort.loss}, {"loss": eager.loss}, {"loss": exact.loss}),
+        "grad": (ort.grads, eager.grads, exact.grads),
+    }
+    judged = 0
+    for comparison in result.step:
+        if comparison.ok or comparison.kind not in values:
+            continue
+        ours, theirs, exact_values = values[comparison.kind]
+        mine = _deviation(ours.get(comparison.name), exact_values.get(comparison.name))
+        eagers = _deviation(theirs.get(comparison.name), exact_values.get(comparison.name))
+        if mine is None or eagers is None:
+            continue
+        judged += 1
+        if mine <= max(2 * eagers, FP32_FLOOR):
+            comparison.fp32_noise = (f"a float64 run shows it as exact as eager's: ortlab {mine:.3g}, eager "
+                                     f"{eagers:.3g} from float64 (relative to its largest element)")
+    if judged:
+        result.notes.append(f"{judged} value(s) out of tolerance were judged against a float64 run of eager "
+                            "(Note [Judged against float64] in ortlab.inspect.compare)")
+
+
 def compare(
     model: nn.Module,
     *inputs: Any,
@@ -184,6 +257,9 @@ def compare(
     calls = recorder.calls
     outputs, loss, grads, buffers = _compare_steps(ort, eager, rtol, atol)
     result = CompareResult(rtol, atol, dict(options), outputs, loss, grads, buffers)
+    if not result.matches and _has_float32(eager):
+        with torch.random.fork_rng(devices=devices):
+            _judge_against_float64(result, model, inputs, kwargs, loss_fn, seed, ort, eager)
     report = om.report
     if not report.captures or any(f.scope == "module" for f in report.module_fallbacks):
         result.notes.append("the step did not run through onnxruntime: " + "; ".join(map(str, report.module_fallbacks)))

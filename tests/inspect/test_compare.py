@@ -344,3 +344,32 @@ def test_bisect_on_a_clean_model_has_nothing_to_do():
     found = bisect_fallbacks(model, x, y)
     assert found.found and found.ops == [] and found.repro is None and not found.trials
     assert "nothing to bisect" in str(found)
+
+
+def test_fp32_noise_is_judged_against_float64_not_called_divergence():
+    """Note [Judged against float64]: with tolerances tighter than fp32 rounding, every value differs, but a
+    float64 run of eager shows ortlab's values as exact as eager's: OK, each value saying why."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.LayerNorm(256), nn.Linear(256, 10))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = compare(model, torch.randn(32, 64), rtol=1e-9, atol=1e-12, intermediates=False)
+    assert result.matches and str(result).startswith("ortlab.compare: OK (differences within fp32 noise")
+    noisy = [c for c in result.step if c.fp32_noise]
+    assert noisy and all(not c.stats.allclose for c in noisy)
+    assert "as exact as eager's" in noisy[0].fp32_noise
+
+
+def test_a_borderline_node_is_named_so_and_a_clear_one_comes_first():
+    from ortlab.inspect._results import ErrorStats, NodeComparison
+
+    def node(name: str, ratio: float) -> NodeComparison:
+        stats = ErrorStats((4,), "float32", 4, 1, 1e-4, 1e-4, 1e-5, ratio, False)
+        return NodeComparison("g0.forward", 0, name, "aten.mm", "fc", "", "diverged", stats)
+
+    borderline, clear = node("mm", 1.01), node("mm_1", 40.0)
+    result = CompareResult(RTOL, ATOL, {}, [], None, [], [], nodes=[borderline, clear])
+    assert result.first_divergence is clear
+    assert result.worst_divergences == [clear, borderline]
+    assert "borderline" in borderline.describe() and "borderline" not in clear.describe()
+    assert CompareResult(RTOL, ATOL, {}, [], None, [], [], nodes=[borderline]).first_divergence is borderline
