@@ -8,7 +8,8 @@ from ortlab import _openmp
 _openmp.tune_before_torch()  # first: it may shorten PyTorch's OpenMP spin, which only works before torch loads
 
 from ortlab.config import DebugOptions, LogLevel, Options  # noqa: E402
-from ortlab.errors import (
+from ortlab.errors import (  # noqa: E402
+    ArtifactError,
     CaptureError,
     ConfigError,
     DeviceError,
@@ -20,7 +21,23 @@ from ortlab.errors import (
     SessionError,
     UnsupportedInputError,
 )
-from ortlab.ortmodule import ORTModule
+
+# Note [Importing ortlab without PyTorch]
+# ``ortlab.ondevice`` trains from ONNX files with onnxruntime and numpy alone, on devices
+# where PyTorch is not installed, and importing it imports this package first. So the one
+# name here that needs PyTorch, ``ORTModule``, is imported only when PyTorch imports;
+# otherwise the failure is kept and raised, as an ImportError saying what to do, when
+# ``ortlab.ORTModule`` (or a notebook tool) is asked for. With PyTorch every name is
+# imported eagerly, exactly as before. The check imports torch itself rather than
+# catching an ImportError from ``ortlab.ortmodule``, so a real bug there still raises.
+_TORCH_MISSING: ImportError | None = None
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _error:
+    _TORCH_MISSING = _error
+else:
+    del _torch
+    from ortlab.ortmodule import ORTModule  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -37,7 +54,16 @@ _LAZY = {
 }
 
 
+def _needs_torch(name: str) -> ImportError:
+    return ImportError(
+        f"ortlab.{name} needs PyTorch, which could not be imported ({_TORCH_MISSING}). Install torch to train "
+        "PyTorch models; ortlab.ondevice trains from ONNX artifacts without it."
+    )
+
+
 def __getattr__(name: str) -> object:
+    if _TORCH_MISSING is not None and (name == "ORTModule" or name in _LAZY):
+        raise _needs_torch(name) from _TORCH_MISSING
     if name in _LAZY:
         import importlib
 
@@ -61,6 +87,7 @@ __all__ = [
     "FallbackWarning",
     "UnsupportedInputError",
     "DeviceError",
+    "ArtifactError",
     "InternalError",
     "explore",
     "compare",

@@ -15,6 +15,7 @@ __all__ = [
     "FallbackError",
     "UnsupportedInputError",
     "DeviceError",
+    "ArtifactError",
     "InternalError",
 ]
 
@@ -49,6 +50,14 @@ class UnsupportedInputError(OrtlabError, TypeError):
 
 class DeviceError(OrtlabError):
     """Inputs and parameters live on devices ortlab cannot run together."""
+
+
+class ArtifactError(OrtlabError):
+    """An on-device training artifact (model, checkpoint) is missing, malformed, or does not fit the call.
+
+    Raised by ``ortlab.ondevice``: the message names the file or the input and says
+    what was expected (and, for a missing file, how to make it: ``generate_artifacts``).
+    """
 
 
 class InternalError(OrtlabError):

@@ -25,10 +25,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("ortlab.onnx",),
     ("ortlab.placement",),
     ("ortlab.runtime",),
+    ("ortlab.ondevice", "ortlab.optim"),
     ("ortlab.pipeline",),
     ("ortlab.ortmodule", "ortlab.models"),
     ("ortlab.inspect",),
     ("ortlab.ui",),
+    ("ortlab.hf", "ortlab.examples"),
     ("ortlab.cli", "ortlab.__main__", "ortlab"),
 )
 PRIVATE_ROOTS = ("torch", "onnxruntime", "ort", "onnxscript", "onnx_ir", "onnx")

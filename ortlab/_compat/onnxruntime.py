@@ -8,6 +8,10 @@ inputs wrapped in place (``push_back_batch``: pointer, dtype, shape; no copy) an
 ``run_with_ortvaluevector``, whose outputs go to torch through DLPack without a copy.
 These live in ``onnxruntime.capi._pybind_state`` (1.14+) and on the session's
 ``_sess`` attribute; nothing public offers the same.
+A fetch vector filled beforehand (``push_back_batch`` on the caller's buffers) makes
+``run_with_ortvaluevector`` write each output into its buffer (onnxruntime's
+pre-allocated outputs): the optimizers update parameters in place this way
+(``ortlab.ondevice.inplace``; checked on 1.32).
 """
 
 from __future__ import annotations

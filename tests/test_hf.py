@@ -1,0 +1,106 @@
+"""Hugging Face: ORTModule shows the wrapped forward's signature (the Trainer keeps the columns the
+model takes), ``ortlab.hf.ORTTrainer`` trains and saves a folder ``from_pretrained`` loads, and a
+re-capture names the guard that failed, its fallbacks listed once."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import pytest
+import torch
+
+import ortlab
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2(dropout: float = 0.0):
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=32,
+                                  resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def test_forward_signature_is_the_wrapped_models():
+    model = _gpt2()
+    om = ortlab.ORTModule(model)
+    assert inspect.signature(om.forward) == inspect.signature(model.forward)
+    assert "input_ids" in inspect.signature(om.forward).parameters
+    assert om.forward.__doc__ == model.forward.__doc__
+
+
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.ids = torch.randint(0, 300, (8, 12), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        # "source" is a column the model does not take: the Trainer must drop it (its default).
+        return {"input_ids": self.ids[i], "labels": self.ids[i], "source": "web"}
+
+
+def _train(trainer_class, model, out: str) -> tuple[list[float], object]:
+    args = transformers.TrainingArguments(out, per_device_train_batch_size=4, max_steps=3, report_to=[],
+                                          logging_steps=1, use_cpu=True, save_strategy="no", seed=0)
+    trainer = trainer_class(model=model, args=args, train_dataset=_Rows())
+    trainer.train()
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h], trainer
+
+
+def test_trainer_with_default_columns_trains_like_eager_and_saves_a_loadable_folder(tmp_path):
+    pytest.importorskip("accelerate")
+    from ortlab.hf import ORTTrainer
+
+    torch.manual_seed(0)
+    eager_model = _gpt2()
+    state = {k: v.clone() for k, v in eager_model.state_dict().items()}
+    eager_losses, _ = _train(transformers.Trainer, eager_model, str(tmp_path / "eager"))
+    model = _gpt2()
+    model.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        losses, trainer = _train(ORTTrainer, model, str(tmp_path / "ort"))
+    assert isinstance(trainer.model, ortlab.ORTModule)
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    trainer.save_model(str(tmp_path / "final"))
+    assert (tmp_path / "final" / "config.json").exists()
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "final"))
+    for (name, a), b in zip(loaded.state_dict().items(), trainer.model.module.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_a_recapture_names_the_guard_and_lists_each_fallback_once():
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=100)
+    om = ortlab.ORTModule(transformers.BertForSequenceClassification(cfg))
+    ids, labels = torch.randint(0, 100, (2, 8)), torch.tensor([0, 1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):  # HF sets config.problem_type on the first call: the second captures again
+            om(input_ids=ids, labels=labels).loss.backward()
+    first, again = om.report.captures
+    assert first.recapture == ""
+    assert "problem_type" in again.recapture
+    assert "captured again because a guard of an earlier capture failed: " in str(om.report)
+    dropouts = [f for f in om.report.fallbacks if f.op and "dropout" in f.op]
+    assert len(dropouts) == len({(f.node, f.module) for f in dropouts}) > 0
+
+
+def test_export_onnx_of_a_decoder_with_its_cache_on_and_dynamic_batch_and_sequence(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model = _gpt2()
+    assert model.config.use_cache
+    om = ortlab.ORTModule(model)
+    ids = torch.randint(0, 300, (2, 8))
+    path = om.export_onnx(str(tmp_path / "gpt2.onnx"), kwargs={"input_ids": ids})
+    assert model.config.use_cache, "restored after the export"
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    other = torch.randint(0, 300, (3, 5))  # another batch and sequence length
+    (logits,) = sess.run(None, {"input_ids": other.numpy()})
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(torch.from_numpy(logits), model(input_ids=other).logits, rtol=1e-4, atol=1e-5)
