@@ -112,14 +112,7 @@ def test_frozen_params_get_no_gradient_and_stay(tmp_path):
     module = Module(art.training_model, state)
     opt = Optimizer(art.optimizer_model, module)
     torch_opt = torch.optim.AdamW([p for p in eager.parameters() if p.requires_grad], lr=1e-3)
-    for _ in range(10):
-        x, y = _batch(g, 4, "cross_entropy")
-        module(x.numpy(), y.numpy())
-        opt.step()
-        module.lazy_reset_grad()
-        F.cross_entropy(eager(x), y).backward()
-        torch_opt.step()
-        torch_opt.zero_grad()
+    _side_by_side(module, opt, eager, torch_opt, g, steps=10, batch=4)
     training = onnx.load(art.training_model)
     outputs = [o.name for o in training.graph.output]
     assert "0.weight_grad" not in outputs and "0.bias_grad" in outputs
@@ -128,6 +121,18 @@ def test_frozen_params_get_no_gradient_and_stay(tmp_path):
     assert OptimizerLayout.from_json(_metadata(art.optimizer_model)).params == ("0.bias", "2.weight", "2.bias")
     np.testing.assert_array_equal(state.parameters["0.weight"], before.numpy())
     assert _max_param_diff(state, eager) < PARAM_ATOL
+
+
+def _side_by_side(module, opt, eager, torch_opt, g, steps: int, batch: int) -> None:  # noqa: ANN001
+    """``steps`` cross-entropy steps on the same batches: on-device, and in PyTorch."""
+    for _ in range(steps):
+        x, y = _batch(g, batch, "cross_entropy")
+        module(x.numpy(), y.numpy())
+        opt.step()
+        module.lazy_reset_grad()
+        F.cross_entropy(eager(x), y).backward()
+        torch_opt.step()
+        torch_opt.zero_grad()
 
 
 def _metadata(path: str) -> str:
@@ -165,14 +170,7 @@ def test_batchnorm_running_statistics_are_written_back(tmp_path):
     module = Module(art.training_model, state, art.eval_model)
     opt, torch_opt = Optimizer(art.optimizer_model, module), torch.optim.AdamW(eager.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        x, y = _batch(g, 6, "cross_entropy")
-        module(x.numpy(), y.numpy())
-        opt.step()
-        module.lazy_reset_grad()
-        F.cross_entropy(eager(x), y).backward()
-        torch_opt.step()
-        torch_opt.zero_grad()
+    _side_by_side(module, opt, eager, torch_opt, g, steps=3, batch=6)
     for name, buf in eager.named_buffers():
         np.testing.assert_allclose(state.parameters[name], buf.numpy(), atol=1e-6)
     assert _max_param_diff(state, eager) < PARAM_ATOL
