@@ -36,3 +36,12 @@ def test_ondevice_example(tmp_path, capsys):
     ondevice.main(["--dir", str(tmp_path), "--steps", "3"])
     assert (tmp_path / "inference.onnx").exists() and (tmp_path / "checkpoint_trained").exists()
     assert "step 2: loss" in capsys.readouterr().out
+
+
+def test_optimizers_example(capsys):
+    from ortlab.examples import optimizers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        optimizers.main(["--steps", "3"])
+    assert "FP16_Optimizer: loss scale" in capsys.readouterr().out

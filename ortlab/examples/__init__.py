@@ -5,4 +5,5 @@
     python -m torch.distributed.run --standalone --nproc-per-node=2 -m ortlab.examples.ddp
     DS_ACCELERATOR=cpu python -m torch.distributed.run --standalone --nproc-per-node=2 -m ortlab.examples.deepspeed_zero
     python -m ortlab.examples.ondevice             # on-device training from ONNX artifacts
+    python -m ortlab.examples.optimizers           # FusedAdam and FP16_Optimizer
 """
