@@ -142,3 +142,13 @@ def test_plan_table_cut_to_whole_rows(gpt_and_batch):
     assert len(lines) == 5 and lines[-1].startswith(f"... {len(plan.activations) - 3} smaller activations")
     biggest = sorted(plan.activations, key=lambda a: -a.bytes)[0]
     assert lines[1].startswith(biggest.name)
+
+
+def test_activations_are_named_for_what_a_user_knows(gpt_and_batch):
+    model, batch = gpt_and_batch
+    om, _, _ = run(model, batch, recompute="none")
+    labels = {a.name: a.label for a in om.report.captures[0].plan.activations}
+    assert "blocks.0.ln1: LayerNorm output" in labels.values()
+    assert "blocks.0: attention softmax" in labels.values()
+    assert any(v.endswith("LayerNorm inv std") or v.endswith("LayerNorm mean") for v in labels.values())
+    assert all(":" in v for v in labels.values())

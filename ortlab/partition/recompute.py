@@ -76,6 +76,50 @@ class SavedActivation:
     source: str
     recomputed: bool
     reason: str = ""
+    output_index: int | None = None  # which output of a multi-output op (native_layer_norm: 0, 1, 2)
+
+    @property
+    def label(self) -> str:
+        """What a user knows it as: ``blocks.0.ln1: LayerNorm output``, ``blocks.0.attn: softmax``.
+
+        The FX node name (``getitem_2``) stays in ``name``, for the graphs and netron.
+        """
+        what = _WHAT.get((self.op, self.output_index)) or _WHAT.get((self.op, None))
+        if what is None:
+            short = self.op.split(".")[-1].lstrip("_")
+            what = f"{short} output" if self.output_index in (None, 0) else f"{short} output {self.output_index}"
+        return f"{self.module or '<root>'}: {what}"
+
+
+# Names of saved activations by (op, output index); None: any output.
+_WHAT: dict[tuple[str, int | None], str] = {
+    ("aten.native_layer_norm", 0): "LayerNorm output",
+    ("aten.native_layer_norm", 1): "LayerNorm mean",
+    ("aten.native_layer_norm", 2): "LayerNorm inv std",
+    ("aten.native_group_norm", 0): "GroupNorm output",
+    ("aten.native_group_norm", 1): "GroupNorm mean",
+    ("aten.native_group_norm", 2): "GroupNorm inv std",
+    ("aten.native_batch_norm", 0): "BatchNorm output",
+    ("aten._native_batch_norm_legit_functional", 0): "BatchNorm output",
+    ("aten._native_batch_norm_legit_functional", 1): "BatchNorm mean",
+    ("aten._native_batch_norm_legit_functional", 2): "BatchNorm inv std",
+    ("aten.native_dropout", 0): "dropout output",
+    ("aten.native_dropout", 1): "dropout mask",
+    ("aten._softmax", None): "attention softmax",
+    ("aten._log_softmax", None): "log-softmax",
+    ("aten.gelu", None): "GELU output",
+    ("aten.relu", None): "ReLU output",
+    ("aten.tanh", None): "tanh output",
+    ("aten.sigmoid", None): "sigmoid output",
+    ("aten.mm", None): "matmul output",
+    ("aten.addmm", None): "linear output",
+    ("aten.bmm", None): "batched matmul output",
+    ("aten.embedding", None): "embedding output",
+    ("aten.clone", None): "copy",
+    ("aten.arange", None): "positions (arange)",
+    ("aten.convolution", None): "convolution output",
+    ("aten.max_pool2d_with_indices", 1): "max-pool indices",
+}
 
 
 @dataclasses.dataclass
@@ -301,6 +345,12 @@ def _add_rows(joint: torch.fx.GraphModule, num_fwd_outputs: int, added: Sequence
     return fw, bw
 
 
+def _output_index(node: torch.fx.Node | None) -> int | None:
+    if node is not None and node.target is operator.getitem and isinstance(node.args[1], int):
+        return node.args[1]
+    return None
+
+
 def _fw_saved_bytes(fw: torch.fx.GraphModule, num_fwd_outputs: int) -> int:
     nodes = {n.name: n for n in fw.graph.nodes}
     total = 0
@@ -374,6 +424,7 @@ def partition_joint(
                 source=source_line(_producer(node)) if node is not None else "",
                 recomputed=recomputed,
                 reason=reason,
+                output_index=_output_index(node),
             )
         )
     saved_bytes = _fw_saved_bytes(fw, num_fwd_outputs)
