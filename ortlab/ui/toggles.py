@@ -280,7 +280,7 @@ class RecomputeToggles:
         import ipywidgets as w
 
         linker = _linker(self.run.om)
-        widths = [300, 170, 90, 70, 80]
+        widths = [280, 160, 90, 70, 80, 120]
         presets = w.ToggleButtons(options=list(RECOMPUTE_PRESETS), tooltips=list(RECOMPUTE_PRESETS.values()),
                                   value=parse_recompute(self.pending)[0])
         boxes: dict[str, Any] = {}
@@ -288,10 +288,11 @@ class RecomputeToggles:
 
         def row_html(a: Any, url: str | None) -> str:
             # What a user knows it as first (blocks.0.ln1: LayerNorm output), the FX node after it.
-            name = f"{esc(a.label)} <small style='color:#666'><code>{esc(a.name)}</code></small>"
             why = f" title='{esc(a.reason)}'" if a.reason else ""
-            return _cells([f"<span{why}>{_name(linker, name, url)}</span>", f"<code>{esc(a.op)}</code>",
-                           esc("x".join(map(str, a.shape)) or "scalar"), esc(a.dtype), fmt_bytes(a.bytes)], widths)
+            node = _name(linker, f"<code>{esc(a.name)}</code>", url)
+            return _cells([f"<span{why}>{esc(a.label)} <small>{node}</small></span>", f"<code>{esc(a.op)}</code>",
+                           esc("x".join(map(str, a.shape)) or "scalar"), esc(a.dtype), fmt_bytes(a.bytes),
+                           esc(a.module or "<root>")], widths)
 
         urls = self.urls(linker)
         rows = []
@@ -327,7 +328,7 @@ class RecomputeToggles:
             box.observe(on_box(name), names="value")
         apply.on_click(on_apply)
         title = w.HTML("<b>Saved activations</b> (checked = recomputed in the backward; a name opens its node in netron)")
-        header = w.HTML(_header(["activation (FX node)", "op", "shape", "dtype", "bytes"], widths))
+        header = w.HTML(_header(["activation (FX node)", "op", "shape", "dtype", "bytes", "module"], widths))
         return w.VBox([title, presets, header, _table_box(w, rows), apply, status, viewer])
 
     def _summary(self) -> str:
