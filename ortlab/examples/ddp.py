@@ -34,6 +34,7 @@ def main() -> None:
             print(f"step {step}: loss {loss.item():.4f} (rank 0 of {world})")
     if rank == 0:
         print(model.module.report)
+    del model, opt  # DDP's reducer holds the process group: free it before destroying the group
     dist.destroy_process_group()
 
 

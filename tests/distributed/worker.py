@@ -9,6 +9,7 @@ with each other and with one process training on the combined batches.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import warnings
@@ -104,6 +105,10 @@ def main(kind: str, out: str) -> None:
     fallbacks = [str(f) for f in model.report.fallbacks]
     torch.save({"state": state, "fallbacks": fallbacks, "captures": len(model.report.captures)},
                os.path.join(out, f"rank{rank}.pt"))
+    # DDP's reducer holds the process group: freed after destroy_process_group (at exit), its
+    # gloo group's destructor waited forever on a thread (seen in CI). Free it while the group lives.
+    del wrapped, model
+    gc.collect()
     dist.destroy_process_group()
 
 
