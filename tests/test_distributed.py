@@ -28,7 +28,7 @@ def _launch(kind: str, out: pathlib.Path) -> subprocess.CompletedProcess:
            str(out)]
     # DeepSpeed's CPU accelerator (it uses gloo where oneCCL is absent).
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
 
 
 def _single_process() -> dict:
