@@ -25,17 +25,17 @@ import torch.nn as nn
 
 from ortlab._compat.torch import (
     COMPILE_ISOLATION,
-    ddp_active,
-    guard_failures_of,
-    without_ddp_optimizer,
     FAKE_TENSOR_LOGGER,
     BackendCompilerFailed,
     TorchDynamoException,
+    ddp_active,
     disable_donated_buffers,
     dynamo_counters,
+    guard_failures_of,
     pytree,
     set_dynamo_config,
     tensor_version,
+    without_ddp_optimizer,
 )
 from ortlab._openmp import openmp_note
 from ortlab.config import DebugOptions, Options
@@ -166,13 +166,6 @@ def _check_leaf(leaf: object) -> None:
         )
 
 
-# Note [The wrapped module's forward signature]
-# Libraries read ``inspect.signature(model.forward)`` to decide what to pass: Hugging Face's
-# Trainer drops every dataset column the signature does not name, and with ORTModule's
-# ``forward(*args, **kwargs)`` it dropped them all ("The batch received was empty").
-# ``ORTModule.forward`` is therefore a descriptor: ``model.forward`` is a callable that runs
-# the wrapper and whose ``__signature__`` is the wrapped module's. It is made once per
-# instance (not per call) and never pickled or copied (a copy makes its own).
 def _auto_dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict | None:
     """``export_onnx``'s ``dynamic_shapes="auto"``: batch (and sequence) dimensions, by parameter name."""
     try:
@@ -201,6 +194,13 @@ def _auto_dims(value: Any) -> Any:
     return dims
 
 
+# Note [The wrapped module's forward signature]
+# Libraries read ``inspect.signature(model.forward)`` to decide what to pass: Hugging Face's
+# Trainer drops every dataset column the signature does not name, and with ORTModule's
+# ``forward(*args, **kwargs)`` it dropped them all ("The batch received was empty").
+# ``ORTModule.forward`` is therefore a descriptor: ``model.forward`` is a callable that runs
+# the wrapper and whose ``__signature__`` is the wrapped module's. It is made once per
+# instance (not per call) and never pickled or copied (a copy makes its own).
 class _BoundForward:
     __slots__ = ("__self__",)
 
