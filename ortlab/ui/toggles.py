@@ -288,9 +288,8 @@ class RecomputeToggles:
 
         def row_html(a: Any, url: str | None) -> str:
             # What a user knows it as first (blocks.0.ln1: LayerNorm output), the FX node after it.
-            why = f" title='{esc(a.reason)}'" if a.reason else ""
             node = _name(linker, f"<code>{esc(a.name)}</code>", url)
-            return _cells([f"<span{why}>{esc(a.label)} <small>{node}</small></span>", f"<code>{esc(a.op)}</code>",
+            return _cells([f"{esc(a.label)} <small>{node}</small>", f"<code>{esc(a.op)}</code>",
                            esc("x".join(map(str, a.shape)) or "scalar"), esc(a.dtype), fmt_bytes(a.bytes),
                            esc(a.module or "<root>")], widths)
 
