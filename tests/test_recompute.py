@@ -108,7 +108,9 @@ def test_rows_on_a_preset_never_add_saved_bytes_and_keep_results(gpt_and_batch):
         base, _, _ = run(model, batch, recompute=preset)
         plan = base.report.captures[0].plan
         saved = [a.name for a in plan.activations if not a.recomputed]
-        for name in (saved[0], saved[len(saved) // 2], saved[-1]):  # a spread of rows, each alone
+        # A spread of rows on layerwise (the preset the bug hit), each alone; one on auto.
+        rows = (saved[0], saved[len(saved) // 2], saved[-1]) if preset == "layerwise" else (saved[len(saved) // 2],)
+        for name in rows:
             om, loss, grads = run(model, batch, recompute=(preset, f"+{name}"))
             row_plan = om.report.captures[0].plan
             assert row_plan.saved_bytes <= plan.saved_bytes, (preset, name, row_plan.saved_bytes, plan.saved_bytes)
