@@ -123,12 +123,6 @@ _counts = _mapping(_count)
 
 # The JSON types of the fields of the table rows (GraphBreak, ActivationRow, FallbackRow),
 # by their annotation: a row field of another type needs an entry here.
-def _optional(check: Callable[[Any, str], Any]) -> Callable[[Any, str], Any]:
-    def checked(value: Any, where: str) -> Any:
-        return None if value is None else check(value, where)
-    return checked
-
-
 _ROW_FIELDS: dict[str, Callable[[Any, str], Any]] = {
     "str": _text, "int": _count, "bool": _flag, "tuple[int, ...]": _list(_count), "list[str]": _list(_text),
     "int | None": _optional(_count),
