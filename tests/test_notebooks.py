@@ -53,6 +53,10 @@ def test_stages_and_graphs():
     for stage in ("captured", "joint", "split", "exported", "onnxscript", "ort_basic", "ort_extended", "ort_all", "step"):
         assert f"('{stage}', 'done')" in text
     assert "<iframe" in html_of(nb) or "IFrame" in text  # the netron view
+    widgets = [o for c in nb.cells for o in c.get("outputs", []) if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert widgets, "the stepper (lab.widget()) is shown"
+    split_again = html_of(nb).split("Saved activations")[-1]  # lab["split"] shown again once a view is open
+    assert "title='open in netron'" in split_again
 
 
 def test_memory_and_recompute():

@@ -67,6 +67,7 @@ class Lab:
         self.report: Any = getattr(driver, "report", None)  # the engine's Report, for a live lab
         self.stages: list[Stage] = stages or [Stage(s.name, s.title, s.description) for s in LAB_STAGES]
         self._on_close: list[Callable[[Lab], None]] = []
+        self._on_stage: list[Callable[[Stage], None]] = []
         for stage in self.stages:
             stage.root, stage.lab = self.folder, self
         self._finalizer = weakref.finalize(self, shutil.rmtree, self.folder, True) if owns_folder else None
@@ -148,6 +149,7 @@ class Lab:
             stage.status = "failed"
             stage.error = first_line(e)
             self._write_manifest()
+            self._tell(stage)
             if raise_errors:
                 raise
             logger.debug("stage %s failed", stage.name, exc_info=e)
@@ -159,7 +161,28 @@ class Lab:
                 stage.previous = prev.name
                 stage.diff = OpDiff.between(prev.op_counts, stage.op_counts)
         self._write_manifest()
+        self._tell(stage)
         return stage
+
+    def on_stage(self, callback: Callable[[Stage], None]) -> None:
+        """Call ``callback(stage)`` after each stage runs, from whichever cell ran it.
+
+        Views of the lab (the stepper) stay current this way; a callback that raises is
+        dropped with a debug log, never failing the stage.
+
+        Example:
+            >>> lab.on_stage(lambda stage: print(stage.name, stage.status))   # doctest: +SKIP
+        """
+        if callback not in self._on_stage:
+            self._on_stage.append(callback)
+
+    def _tell(self, stage: Stage) -> None:
+        for callback in list(self._on_stage):
+            try:
+                callback(stage)
+            except Exception as e:  # a broken view must not fail the stage
+                logger.debug("a stage callback of the lab failed, dropped: %s", e)
+                self._on_stage.remove(callback)
 
     # ------------------------------------------------------------------------- saving
     def _manifest(self) -> dict[str, Any]:

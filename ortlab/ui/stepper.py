@@ -13,6 +13,7 @@ a new tab when there is none.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -182,6 +183,12 @@ def stage_html(stage: Stage) -> str:
         call = esc(f"lab[{stage.name!r}].view()")
         parts.append(f"<p style='font-size:12px;color:#666'>Open a graph with <code>{call}</code>; "
                      "table rows then link to their nodes.</p>")
+    elif stage.activations and linker.activation(stage.activations[0]) is None:
+        exported = stage.lab is not None and any(s.name == "exported" and s.status == "done" for s in stage.lab.stages)
+        todo = "open a graph with <code>lab['exported'].view()</code>" if exported else \
+            "run the <code>exported</code> stage and open its graph with <code>lab['exported'].view()</code>"
+        parts.append(f"<p style='font-size:12px;color:#666'>Rows link to their node in netron once there is an "
+                     f"ONNX graph to show them in: {todo}, then display this stage again.</p>")
     parts.append("</div>")
     return "".join(parts)
 
@@ -246,6 +253,17 @@ class StepperWidget:
         ])
         current = lab.current
         self._show(current.name if current is not None else lab.stages[0].name)
+        # Stages run from other cells (lab.run(...)) redraw the overview too. The lab holds
+        # the stepper weakly: a stepper nobody shows any more is dropped, not kept alive.
+        method = weakref.WeakMethod(self._staged)
+
+        def staged(stage: Stage) -> None:
+            live = method()
+            if live is None:
+                raise ReferenceError("the stepper is gone")
+            live(stage)
+
+        lab.on_stage(staged)
 
     def _options(self) -> list[tuple[str, str]]:
         return [(f"{i}. {s.name} ({s.status})", s.name) for i, s in enumerate(self.lab.stages, 1)]
@@ -264,6 +282,13 @@ class StepperWidget:
         if stage is not None:
             self.stage.value = stage.name
             self._show(stage.name)
+
+    def _staged(self, stage: Stage) -> None:
+        """A stage ran (from a button or any cell): redraw the overview and picker, show that stage."""
+        self.overview.value = lab_html(self.lab)
+        self.stage.options = self._options()  # resets the value (the observer shows it)
+        self.stage.value = stage.name
+        self._show(stage.name)
 
     def _show(self, name: str) -> None:
         stage = self.lab[name]

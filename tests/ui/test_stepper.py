@@ -112,6 +112,26 @@ def test_lab_html_and_widget_step_through(tmp_path, no_server):
     lab.close()
 
 
+def test_stepper_follows_stages_run_from_other_cells(tmp_path, no_server):
+    """A stepper shown first stays current when later cells call lab.run(...); a broken view never fails a stage."""
+    lab = explore(TanhNet(), torch.randn(4, 6), folder=str(tmp_path / "lab"))
+    stepper = StepperWidget(lab)
+    assert stepper.overview.value.count("pending") == 9
+    lab.run("split")  # as a later cell would
+    assert stepper.overview.value.count("pending") == 6, stepper.overview.value
+    assert stepper.stage.value == "split" and "split (done)" in stepper.stage.options[2][0]
+    assert "Saved activations" in stepper.body.value
+
+    def broken(stage):
+        raise RuntimeError("a view that fails")
+
+    lab.on_stage(broken)
+    lab.run("exported")  # the broken callback is dropped, the stage runs, the stepper follows
+    assert lab["exported"].status == "done" and broken not in lab._on_stage
+    assert stepper.stage.value == "exported"
+    lab.close()
+
+
 # A string from a hostile lab.json: every place it shows must show it as text.
 EVIL = "<script>alert(1)</script>\"'><img src=x onerror=alert(2)>"
 
