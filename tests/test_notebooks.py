@@ -85,3 +85,9 @@ def test_divergence():
     assert "matches eager: True" in text
     assert "first divergence: g0.forward gelu_1 aten.gelu at blocks.1" in text
     assert "ops whose fallback removes the divergence: ['aten.gelu']" in text
+    page = html_of(nb)
+    assert "title='open in netron'" in page.split("ortlab.compare: DIVERGED")[1]  # diverged nodes link to netron
+    bisect = page.split("ortlab bisect:")[1]
+    assert "step matches eager" in bisect and "the repro script (" in bisect
+    assert "g0.forward gelu_1 (aten.gelu) at blocks.1" in bisect.split("the repro script (")[1]  # the culprit's node
+    assert "fallback_ops=[&#x27;aten.gelu&#x27;]" in bisect

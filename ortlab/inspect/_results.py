@@ -16,6 +16,7 @@ import torch.fx
 
 from ortlab.errors import ConfigError
 from ortlab.inspect._tables import result_html, result_text
+from ortlab.inspect.views import find_view
 
 if TYPE_CHECKING:
     from ortlab.onnx.export import ExportedGraph
@@ -347,4 +348,5 @@ class CompareResult:
         return result_text(self)
 
     def _repr_html_(self) -> str:
-        return result_html(self)
+        render = find_view("compare_html")  # with node links into netron, when ortlab.ui is loaded
+        return render(self) if render is not None else result_html(self)

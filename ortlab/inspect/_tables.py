@@ -1,15 +1,21 @@
-"""Text and HTML views of a compare result: step values, the first divergence, a per-layer table."""
+"""Text and HTML views of a compare result (step values, the first divergence, a per-layer table) and of a bisect."""
 
 from __future__ import annotations
 
 import html
 import math
+import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ortlab.inspect._results import CompareResult
+    from ortlab.inspect._results import CompareResult, NodeComparison
+    from ortlab.inspect.bisect import BisectResult
 
-__all__ = ["result_text", "result_html"]
+# ``(node, html) -> html``: the node's text linked to its node in a graph view (``ortlab.ui``).
+NodeLink = Callable[["NodeComparison", str], str]
+
+__all__ = ["result_text", "result_html", "bisect_html"]
 
 _HTML_NODES = 25
 
@@ -86,9 +92,19 @@ def result_text(result: CompareResult) -> str:
     return "\n".join(lines)
 
 
-def result_html(result: CompareResult) -> str:
-    """The notebook view of a compare result: tables colored by error / tolerance."""
+def result_html(result: CompareResult, node_link: NodeLink | None = None, footer: str = "") -> str:
+    """The notebook view of a compare result: tables colored by error / tolerance.
+
+    Args:
+        result: the comparison.
+        node_link: links a node's name to it in a graph view (``ortlab.ui`` gives one
+            when it is loaded; ``inspect`` never imports ``ui``); default: plain text.
+        footer: HTML after the tables (the graph view the links open in).
+    """
     esc = html.escape
+
+    def named(n: NodeComparison, text: str) -> str:
+        return node_link(n, text) if node_link is not None else text
     color = "#2e7d32" if result.ok else "#c62828"
     parts = [f"<div><b style='color:{color}'>ortlab.compare: {_verdict(result)}</b> "
              f"(rtol={result.rtol:g}, atol={result.atol:g})</div>"]
@@ -101,7 +117,11 @@ def result_html(result: CompareResult) -> str:
     parts.append("<table><tr><th>kind</th><th>value</th><th>max abs</th><th>max rel</th><th>ok</th></tr>"
                  f"{rows}</table>")
     first = result.first_divergence
-    parts.append(f"<p><b>first divergence:</b> {esc(first.describe()) if first else 'none'}</p>")
+    if first is not None:
+        where = named(first, f"<code>{esc(first.node)}</code>")
+        parts.append(f"<p><b>first divergence:</b> {where} {esc(first.describe())}</p>")
+    else:
+        parts.append("<p><b>first divergence:</b> none</p>")
     kinds = _graph_kinds(result)
     head = "".join(f"<th>{esc(k)}</th>" for k in kinds)
     body = []
@@ -109,7 +129,8 @@ def result_html(result: CompareResult) -> str:
         cells = "".join(
             f"<td style='background:{_ratio_color(layer.worst.get(k))}'>{_fmt(layer.worst.get(k))}</td>" for k in kinds
         )
-        first_node = f"{esc(layer.first.node)} ({esc(layer.first.op)})" if layer.first else "-"
+        first_node = (f"{named(layer.first, esc(layer.first.node))} ({esc(layer.first.op)})" if layer.first
+                      else "-")
         body.append(f"<tr><td>{esc(layer.module or '<root>')}</td>{cells}<td>{layer.nodes}</td>"
                     f"<td>{layer.diverged}</td><td>{first_node}</td></tr>")
     parts.append("<p>per layer, largest error / tolerance (above 1 is out of tolerance):</p>"
@@ -119,7 +140,7 @@ def result_html(result: CompareResult) -> str:
     if diverged:
         rows = "".join(
             f"<tr style='background:{_ratio_color(n.stats.worst_ratio if n.stats else None)}'>"
-            f"<td>{esc(n.graph)}</td><td>{esc(n.node)}</td><td>{esc(n.op)}</td><td>{esc(n.module or '<root>')}</td>"
+            f"<td>{esc(n.graph)}</td><td>{named(n, esc(n.node))}</td><td>{esc(n.op)}</td><td>{esc(n.module or '<root>')}</td>"
             f"<td>{esc(n.source)}</td><td>{_fmt(n.stats.max_abs if n.stats else None)}</td>"
             f"<td>{_fmt(n.stats.max_rel if n.stats else None)}</td>"
             f"<td>{_fmt(n.stats.worst_ratio if n.stats else None)}</td></tr>"
@@ -130,5 +151,51 @@ def result_html(result: CompareResult) -> str:
                      "<th>op</th><th>module</th><th>source</th><th>max abs</th><th>max rel</th><th>err/tol</th></tr>"
                      f"{rows}</table>")
     parts.extend(f"<p><i>{esc(n)}</i></p>" for n in result.notes)
+    parts.append(footer)
     return "".join(parts)
 
+
+
+def bisect_html(result: BisectResult, baseline_html: str = "") -> str:
+    """The notebook view of a bisect: the outcome, the fix, every trial, and the repro script.
+
+    Args:
+        result: what ``bisect_fallbacks`` found.
+        baseline_html: the baseline comparison's view (folded under the trials).
+    """
+    esc = html.escape
+    color = "#2e7d32" if result.found else "#c62828"
+    parts = [f"<div style='font-family:sans-serif;font-size:13px'><b style='color:{color}'>ortlab bisect:</b> "
+             f"{esc(result.reason)}</div>"]
+    first = result.baseline.first_divergence
+    if first is not None:
+        parts.append(f"<p><b>first divergence:</b> {esc(first.describe())}</p>")
+    if result.found and result.ops:
+        fix = f"ORTModule(model, fallback_ops={result.base_ops + result.ops!r})"
+        parts.append(f"<p><b>fix for now:</b> <code>{esc(fix)}</code></p>")
+    if result.trials:
+        seconds = sum(t.seconds for t in result.trials)
+        rows = "".join(
+            f"<tr style='background:{'#d8f0d8' if t.passed else '#f6d8d8'}'><td>{i}</td>"
+            f"<td>{esc(', '.join(t.ops) or '(none)')}</td><td>{'yes' if t.passed else 'no'}</td>"
+            f"<td>{t.seconds:.1f} s</td></tr>"
+            for i, t in enumerate(result.trials, 1)
+        )
+        parts.append(f"<p>{len(result.trials)} trials ({seconds:.1f} s): each runs these ops in PyTorch and "
+                     "compares the step with eager</p><table><tr><th>#</th><th>ops in PyTorch</th>"
+                     f"<th>step matches eager</th><th>time</th></tr>{rows}</table>")
+    if result.repro:
+        command = f"{sys.executable} {result.repro}"
+        try:
+            with open(result.repro, encoding="utf-8") as f:
+                script = f.read()
+            code = (f"<details><summary style='font-size:12px'>the repro script ({script.count(chr(10))} lines)"
+                    f"</summary><pre style='font-size:11px;max-height:400px;overflow:auto'>{esc(script)}</pre></details>")
+        except OSError as e:  # removed since: say so, keep the rest
+            code = f"<p style='font-size:12px;color:#666'>the repro script is gone ({esc(str(e))})</p>"
+        parts.append(f"<p><b>repro</b> (runs the first diverging node alone, standalone): <code>{esc(command)}</code></p>"
+                     + code)
+    if baseline_html:
+        parts.append("<details><summary style='font-size:12px'>the comparison without extra fallbacks</summary>"
+                     f"{baseline_html}</details>")
+    return "".join(parts)

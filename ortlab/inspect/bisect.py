@@ -4,8 +4,9 @@ The search is predicate-driven (Polygraphy's ``debug reduce``): the predicate is
 these ops in ``fallback_ops`` the step matches eager PyTorch within tolerance", and
 :func:`~ortlab.inspect.reduce.minimize` reduces the candidates with it (the op of the
 first diverging node alone, then bisect, then linear), so the result is 1-minimal:
-dropping any op of it brings the divergence back. A runnable repro of the first
-diverging node is written on the way (:func:`~ortlab.inspect.repro.write_repro`).
+dropping any op of it brings the divergence back. A runnable repro is written
+(:func:`~ortlab.inspect.repro.write_repro`): of the first diverging node of the ops
+found, else of the first divergence.
 
 Example:
     >>> found = bisect_fallbacks(model, x, y)        # doctest: +SKIP
@@ -26,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from ortlab.errors import FallbackWarning, OrtlabError
+from ortlab.inspect._tables import bisect_html
 from ortlab.inspect.compare import ATOL, RTOL, CompareResult, compare
 from ortlab.inspect.reduce import Trial, minimize
 from ortlab.inspect.repro import write_repro
@@ -74,6 +76,9 @@ class BisectResult:
             lines.extend(f"  {'yes' if t.passed else 'no '}  {', '.join(t.ops) or '(none)'}" for t in self.trials)
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        return bisect_html(self, self.baseline._repr_html_())
+
 
 def _candidates(result: CompareResult, diverged_only: bool) -> list[str]:
     """aten ops that ran in onnxruntime, ops of diverged nodes first, in execution order."""
@@ -103,7 +108,7 @@ def bisect_fallbacks(
     then once per trial (step-level only). By default the candidates are the ops of the
     nodes out of tolerance, widened to every op that ran in onnxruntime when those are
     not enough. A repro script is written to ``repro_dir`` (a fresh temporary folder by
-    default) for the first diverging node.
+    default) for the first diverging node of the ops found (else the first divergence).
 
     Args:
         model, *inputs, forward_kwargs, loss_fn, rtol, atol, seed, **options: as for
@@ -123,15 +128,20 @@ def bisect_fallbacks(
     options["fallback"] = "warn"  # trials must be able to fall back
     common: dict[str, Any] = dict(forward_kwargs=forward_kwargs, loss_fn=loss_fn, rtol=rtol, atol=atol, seed=seed)
     baseline = compare(model, *inputs, fallback_ops=base_ops, **common, **options)
-    repro = None
-    if baseline.first_divergence is not None:
-        repro = write_repro(baseline, repro_dir or tempfile.mkdtemp(prefix="ortlab_repro_"), model=model,
-                            inputs=inputs, forward_kwargs=forward_kwargs)
+
+    def write(ops: Sequence[str] = ()) -> str | None:
+        """The repro of the first diverging node of ``ops`` (the culprits found), else of the first divergence."""
+        target = next((n for n in baseline.diverged_nodes if n.op in ops), baseline.first_divergence)
+        if target is None:
+            return None
+        return write_repro(baseline, repro_dir or tempfile.mkdtemp(prefix="ortlab_repro_"), target, model=model,
+                           inputs=inputs, forward_kwargs=forward_kwargs)
+
     if baseline.matches:
         why = "the step matches eager PyTorch: nothing to bisect"
         if baseline.first_divergence is not None:
             why += " (intermediate values diverge but the outputs and gradients stay within tolerance)"
-        return BisectResult([], True, baseline, [], [], repro, why, base_ops)
+        return BisectResult([], True, baseline, [], [], write(), why, base_ops)
 
     trials: list[Trial] = []
     memo: dict[frozenset[str], bool] = {}
@@ -155,12 +165,13 @@ def bisect_fallbacks(
     if candidates is None and (not pool or not passes(pool)):
         pool = _candidates(baseline, diverged_only=False)
     if not pool:
-        return BisectResult([], False, baseline, [], trials, repro, "no op ran in onnxruntime: nothing to fall back",
+        return BisectResult([], False, baseline, [], trials, write(), "no op ran in onnxruntime: nothing to fall back",
                             base_ops)
     if not passes(pool):
         why = (f"the step still diverges with all {len(pool)} candidate ops in PyTorch: the difference comes from "
                "elsewhere (ops that always run in PyTorch, or the graph split itself)")
-        return BisectResult([], False, baseline, pool, trials, repro, why, base_ops)
+        return BisectResult([], False, baseline, pool, trials, write(), why, base_ops)
     ops, _ = minimize(pool, passes, hints=hints, max_trials=max_trials)
     why = f"falling back {ops} to PyTorch removes the divergence"
-    return BisectResult(ops, True, baseline, pool, trials, repro, why, base_ops)
+    # The repro shows the culprit's own node, which an earlier, smaller divergence may precede.
+    return BisectResult(ops, True, baseline, pool, trials, write(ops), why, base_ops)

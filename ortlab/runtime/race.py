@@ -100,7 +100,7 @@ def make_race(candidates: Sequence[SessionSource],
         for source in candidates:
             name = _name(source, result.times_ms)
             try:
-                built = source.rebuild()
+                built = source.rebuild(quiet=True)  # a failure is recorded below, not printed by onnxruntime
             except Exception as e:  # noqa: BLE001 - a candidate that cannot build is dropped, said why
                 result.dropped[name] = f"could not build a session: {first_line(e, 200)}"
                 continue

@@ -180,12 +180,15 @@ class SessionSource:
     threads: int | None
     log_severity: int
 
-    def rebuild(self, *, profile_prefix: str | None = None) -> BuiltSession:
+    def rebuild(self, *, profile_prefix: str | None = None, quiet: bool = False) -> BuiltSession:
         """Another session of the same model and settings (a profiling twin with ``profile_prefix``).
 
-        The new session does not write an optimized model (or a cache entry) again.
+        The new session does not write an optimized model (or a cache entry) again. With
+        ``quiet`` onnxruntime logs nothing while building it: for candidates whose failure
+        the caller records (the provider race), so a notebook shows no C++ error blocks.
         """
-        return _build(self, None, profile_prefix)
+        source = dataclasses.replace(self, log_severity=4) if quiet else self
+        return _build(source, None, profile_prefix)
 
 
 @dataclasses.dataclass

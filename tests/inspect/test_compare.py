@@ -7,8 +7,10 @@ node's name), as a kernel that silently loses precision would.
 
 from __future__ import annotations
 
+import html
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -270,6 +272,15 @@ def test_planted_fp16_gelu_is_the_first_divergence(planted):
     assert worst_forward["emb"] <= 1 and worst_forward["mlp.fc"] <= 1 and worst_forward["mlp.ln"] > 1
     text = str(result)
     assert "DIVERGED" in text and f"first divergence: g0.forward {gelu} (aten.gelu) at mlp.act" in text
+    # In a notebook the diverged nodes link to their node in a netron view of the graph that ran.
+    import ortlab.ui  # noqa: F401  (registers the notebook views, as ortlab.compare does)
+
+    page = result._repr_html_()
+    links = re.findall(r"<a href='([^']+)' target='([^']+)' title='open in netron'", page)
+    # The first link selects the node that made the diverged value (the planted Cast back to float32).
+    assert links and f"node=planted_{gelu}_fp32" in html.unescape(links[0][0]), page[:2000]
+    frame = links[0][1]
+    assert f'<iframe name="{frame}"' in page and all(t == frame for _, t in links)
 
 
 def test_planted_backward_bug_is_found_in_the_backward_graph(planted):
@@ -293,6 +304,10 @@ def test_bisect_names_the_op_and_the_repro_reproduces(planted, tmp_path):
     assert found.candidates[0] == "aten.gelu"
     assert found.trials[-1].ops == ("aten.gelu",) and found.trials[-1].passed
     assert "fallback_ops=['aten.gelu']" in str(found)
+    page = found._repr_html_()  # the notebook view: every trial, and the repro script itself
+    trials = page.split("step matches eager")[1].split("</table>")[0]
+    assert trials.count("<tr style=") == len(found.trials)
+    assert "the repro script (" in page and html.escape("def main(") in page and found.repro in page
     assert found.repro == str(tmp_path / "repro.py") and os.path.exists(found.repro)
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORTLAB_")}
     run = subprocess.run([sys.executable, found.repro], capture_output=True, text=True, env=env, timeout=120)
