@@ -293,3 +293,69 @@ def test_table_links_open_the_node_and_its_source_in_netron(lab, browser):
     page.wait_for_timeout(500)
     ops.screenshot(path=str(ARTIFACTS / "fallback_toggles.png"))
     assert ops.locator(".widget-hbox a[title='open in netron']").count() > 10
+
+
+# The stepper shown first follows the stages later cells run; compare's diverged nodes and the
+# bisect's result (trials, fix, repro script) show in the page; expected failures print nothing.
+_DIVERGENCE_NOTEBOOK = [
+    """import torch, ortlab, onnx_ir as ir
+import ortlab.pipeline.part as part
+from ortlab.models import GPT, GPTConfig, make_batch
+torch.manual_seed(0)
+config = GPTConfig(vocab=100, d_model=32, n_heads=2, n_layers=2, block_size=16)
+idx, targets = make_batch("gpt", 2, vocab=config.vocab, block_size=config.block_size)
+lab = ortlab.explore(GPT(config), idx, targets)
+lab.widget()""",
+    'lab.run("split"); print("ran to", lab.current.name)',
+    """original = part.optimize_exported
+def bf16_gelu(exported):  # plant a bug: blocks.1's gelu rounds to bfloat16 in onnxruntime
+    seconds = original(exported)
+    graph = exported.model.graph
+    for node in list(graph):
+        if node.metadata_props.get("ortlab.op") == "aten.gelu" and node.metadata_props.get("ortlab.module") == "blocks.1":
+            out = node.outputs[0]
+            down = ir.node("Cast", [out], attributes={"to": ir.DataType.BFLOAT16})
+            up = ir.node("Cast", [down.outputs[0]], attributes={"to": ir.DataType.FLOAT})
+            graph.insert_after(node, [down, up])
+            for use in list(out.uses()):
+                if use.node is not down:
+                    use.node.replace_input_with(use.idx, up.outputs[0])
+            break
+    return seconds
+part.optimize_exported = bf16_gelu
+bad = ortlab.compare(GPT(config), idx, targets)
+bad""",
+    """found = ortlab.bisect_fallbacks(GPT(config), idx, targets, atol=1e-7)
+part.optimize_exported = original
+found""",
+]
+
+
+def test_stepper_compare_and_bisect_in_jupyterlab(lab, browser):
+    (lab.root / "divergence_views.ipynb").write_text(_notebook(_DIVERGENCE_NOTEBOOK))
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    _run_all(page, lab, "divergence_views.ipynb", "ortlab bisect:")
+    page.wait_for_timeout(2000)
+    # The stepper of the first cell shows the stages the second cell ran.
+    overview = page.locator(".widget-html", has_text="ortlab lab:").first
+    assert overview.inner_text().count("done") == 3, overview.inner_text()
+    page.locator(".widget-vbox", has=overview).first.screenshot(path=str(ARTIFACTS / "stepper-live.png"))
+    # No red stderr block anywhere: trials that fail are in the trial table, not printed.
+    stderr = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']")
+    assert stderr.count() == 0, stderr.all_inner_texts()
+    # The bisect: every trial in a table, the fix, the repro script of the culprit's node.
+    bisect = page.locator(".jp-OutputArea-output", has_text="ortlab bisect:").first
+    text = bisect.inner_text()
+    assert "fix for now: ORTModule(model, fallback_ops=['aten.gelu'])" in text, text
+    assert "step matches eager" in text and "repro" in text
+    bisect.locator("summary", has_text="the repro script").click()
+    assert "gelu_1 (aten.gelu) at blocks.1" in bisect.locator("pre").first.inner_text()
+    bisect.scroll_into_view_if_needed()
+    bisect.screenshot(path=str(ARTIFACTS / "bisect.png"))
+    # compare: the first divergence links to its node in the view under the tables.
+    result = page.locator(".jp-OutputArea-output", has_text="ortlab.compare: DIVERGED").first
+    link = result.locator("p", has_text="first divergence").locator("a[title='open in netron']").first
+    row, sidebar = _open(page, link, {}, "compare-netron.png")
+    assert sidebar.get("ortlab.module") == "blocks.1", sidebar
+    assert re.search(r"models\.py:\d+ in ", sidebar.get("ortlab.source", "")), sidebar
+    result.screenshot(path=str(ARTIFACTS / "compare.png"))

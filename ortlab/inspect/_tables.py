@@ -177,12 +177,12 @@ def bisect_html(result: BisectResult, baseline_html: str = "") -> str:
         seconds = sum(t.seconds for t in result.trials)
         rows = "".join(
             f"<tr style='background:{'#d8f0d8' if t.passed else '#f6d8d8'}'><td>{i}</td>"
-            f"<td>{esc(', '.join(t.ops) or '(none)')}</td><td>{'yes' if t.passed else 'no'}</td>"
+            f"<td style='text-align:left'>{esc(', '.join(t.ops) or '(none)')}</td><td>{'yes' if t.passed else 'no'}</td>"
             f"<td>{t.seconds:.1f} s</td></tr>"
             for i, t in enumerate(result.trials, 1)
         )
         parts.append(f"<p>{len(result.trials)} trials ({seconds:.1f} s): each runs these ops in PyTorch and "
-                     "compares the step with eager</p><table><tr><th>#</th><th>ops in PyTorch</th>"
+                     "compares the step with eager</p><table><tr><th>#</th><th style='text-align:left'>ops in PyTorch</th>"
                      f"<th>step matches eager</th><th>time</th></tr>{rows}</table>")
     if result.repro:
         command = f"{sys.executable} {result.repro}"
