@@ -89,15 +89,19 @@ class TimelineSummary:
     torch_us: float
     gaps_us: float
 
-    def line(self) -> str:
-        """``step 4.21 ms: onnxruntime kernels 1.10 ms (26%), ...``."""
+    def parts(self) -> list[str]:
+        """``["onnxruntime kernels 1.10 ms (26%)", ...]``: the four parts, each with its share."""
         def part(name: str, us: float) -> str:
             share = us / self.step_us if self.step_us else 0.0
             return f"{name} {us / 1000:.2f} ms ({share:.0%})"
 
-        return (f"step {self.step_us / 1000:.2f} ms: " + ", ".join((
-            part("onnxruntime kernels", self.ort_kernels_us), part("onnxruntime outside kernels", self.ort_other_us),
-            part("PyTorch", self.torch_us), part("gaps", self.gaps_us))))
+        return [part("onnxruntime kernels", self.ort_kernels_us),
+                part("onnxruntime outside kernels", self.ort_other_us),
+                part("PyTorch", self.torch_us), part("gaps", self.gaps_us)]
+
+    def line(self) -> str:
+        """``step 4.21 ms: onnxruntime kernels 1.10 ms (26%), ...``."""
+        return f"step {self.step_us / 1000:.2f} ms: " + ", ".join(self.parts())
 
 
 @dataclasses.dataclass

@@ -103,14 +103,18 @@ def timeline_figure(timeline: Timeline) -> Any:
             name=name, orientation="h", y=[_lane(e) for e in events],
             base=[e.start_us / 1000 for e in events], x=[max(e.dur_us, 0.5) / 1000 for e in events],
             width=0.9 if key == "run" else 0.6, marker={"color": colour, "line": {"width": 0}},
-            hovertext=[_hover(e) for e in events], hoverinfo="text"))
+            # A run's hover would hide its kernels' (drawn on it): the title sums the runs up.
+            hovertext=[_hover(e) for e in events], hoverinfo="skip" if key == "run" else "text"))
+    # The summary, one part a line under the step's time, then what the reader must know.
     summary = timeline.summary
-    title = f"Step {timeline.step}: {summary.line()}"
     notes = [n for n in timeline.notes if "placed within" not in n]
+    title = (f"<b>Step {timeline.step}</b>: {summary.step_us / 1000:.2f} ms"
+             f"<br><sup>{html.escape(' · '.join(summary.parts()))}"
+             + (f"<br>{html.escape('; '.join(notes))}" if notes else "") + "</sup>")
     fig.update_layout(
-        barmode="overlay", height=190 + 42 * len(lanes), margin={"l": 10, "r": 10, "t": 100, "b": 50},
-        title={"text": html.escape(title) + (f"<br><sup>{html.escape('; '.join(notes))}</sup>" if notes else ""),
-               "font": {"size": 14}, "y": 0.98, "yanchor": "top"},
+        barmode="overlay", height=210 + 42 * len(lanes), margin={"l": 10, "r": 10, "t": 120, "b": 50},
+        title={"text": title, "font": {"size": 15}, "x": 0.01, "y": 1.0, "yanchor": "top", "yref": "container",
+               "pad": {"t": 14}},
         legend={"orientation": "h", "x": 0, "y": 1.0, "yanchor": "bottom"},
         xaxis={"title": {"text": "ms from the step's start"}, "range": [0, timeline.end_us / 1000],
                "showgrid": True},
