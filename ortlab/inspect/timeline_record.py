@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 from ortlab.errors import OrtlabError, first_line
@@ -186,7 +187,10 @@ class TimelineRecorder:
             function_events = list(self._profiler.events())
         finally:
             self._profiler, self._step_span = None, None
-        timeline = build_timeline(self.step, function_events, profiles, ended=ended)
+        report = getattr(self.module, "report", None)
+        timeline = build_timeline(self.step, function_events, profiles, ended=ended,
+                                  fallbacks=report.fallbacks if report is not None else (),
+                                  ort_module=report is not None)
         self.last = timeline
         return timeline
 
@@ -205,6 +209,8 @@ def build_timeline(
     function_events: list[Any],
     profiles: list[tuple[str, Any, Any, str | None]],
     ended: bool = True,
+    fallbacks: Sequence[Any] = (),
+    ort_module: bool = True,
 ) -> Timeline:
     """Put a step's torch.profiler events and its sessions' profiles on one axis.
 
@@ -216,6 +222,9 @@ def build_timeline(
         profiles: per onnxruntime part, (label, runner, exported, profile path or None);
             the files are read and deleted.
         ended: the next step began (False: the step ends at its last event).
+        fallbacks: the module's ``report.fallbacks``: an aten op that one of them placed
+            in PyTorch, called inside a compiled graph, is marked ``fell_back`` (its reason).
+        ort_module: the module is an ORTModule (the note on a step without onnxruntime says why).
 
     Returns:
         The :class:`Timeline`, its events in microseconds from the step's start.
@@ -235,6 +244,7 @@ def build_timeline(
         notes.append(f"step {step} had not ended (no later training step): it ends at its last recorded event")
     events: list[TimelineEvent] = []
     spans: dict[str, list[tuple[float, float]]] = {}
+    in_pytorch = _placed_in_pytorch(fallbacks)
     for e in inside:
         start, dur = e.time_range.start - t0, e.time_range.end - e.time_range.start
         depth, parent = 0, e.cpu_parent
@@ -249,6 +259,9 @@ def build_timeline(
         args: dict[str, Any] = {"thread": int(e.thread)}
         if e.cpu_parent is not None and e.cpu_parent is not root:
             args["parent"] = e.cpu_parent.name
+        fell_back = in_pytorch.get(e.name)
+        if fell_back is not None and _in_compiled_graph(e, root):
+            args.update(fell_back)
         events.append(TimelineEvent(e.name, "torch", "PyTorch", start, dur, depth=depth, args=args))
     graphs = sorted(spans, key=lambda label: spans[label][0][0])
     for label, runner, exported, path in profiles:
@@ -269,10 +282,43 @@ def build_timeline(
         events.extend(kernels)
         notes.extend(placed)
     if not graphs:
-        notes.insert(0, f"no onnxruntime graph ran in step {step}: all of it ran in PyTorch "
-                        "(model.report says why, for an ORTModule)")
+        why = ("model.report says why" if ort_module else
+               "the module is a plain nn.Module; wrap it in ortlab.ORTModule to run it in onnxruntime")
+        notes.insert(0, f"no onnxruntime graph ran in step {step}: all of it ran in PyTorch ({why})")
     events.sort(key=lambda e: (e.start_us, -e.dur_us))
     return Timeline(step=step, end_us=end, events=events, graphs=graphs, notes=notes)
+
+
+_COMPILED = ("CompiledFunction", "CompiledFunctionBackward")
+
+
+def _placed_in_pytorch(fallbacks: Sequence[Any]) -> dict[str, dict[str, str]]:
+    """``aten::gelu`` -> ``{fell_back: reason, module, source}`` of the ops ortlab placed in PyTorch.
+
+    An op placed in PyTorch at several nodes keeps the module and source line only
+    where they all agree (the profiler's event does not say which node it ran).
+    """
+    out: dict[str, dict[str, str]] = {}
+    for fb in fallbacks:
+        if getattr(fb, "scope", "") != "op" or not fb.op:
+            continue
+        name = fb.op.replace(".", "::", 1).split(".")[0]  # aten.gelu.default -> aten::gelu
+        new = {"fell_back": fb.reason, "module": fb.module, "source": fb.source}
+        old = out.setdefault(name, new)
+        for key in ("fell_back", "module", "source"):
+            if old[key] != new[key]:
+                old[key] = "several reasons (model.report lists them)" if key == "fell_back" else ""
+    return out
+
+
+def _in_compiled_graph(event: Any, root: Any) -> bool:
+    """Whether ``event`` ran inside a compiled graph (forward or backward), not the user's code."""
+    parent = event.cpu_parent
+    while parent is not None and parent is not root:
+        if parent.name in _COMPILED:
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def _remove(path: str | None) -> None:

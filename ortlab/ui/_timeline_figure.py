@@ -37,6 +37,7 @@ STYLES: dict[str, tuple[str, str]] = {  # in drawing order: a run's kernels are 
     "run": ("onnxruntime session run", "#ffc9a3"),
     "kernel": ("onnxruntime kernel", "#e8590c"),
     "aten": ("PyTorch op (aten)", "#1c7ed6"),
+    "fallback": ("op placed in PyTorch (fell back)", "#c2255c"),
     "autograd": ("autograd", "#7048e8"),
     "optimizer": ("optimizer", "#2b8a3e"),
     "compile": ("torch.compile wrappers", "#868e96"),
@@ -47,6 +48,8 @@ def _style(e: TimelineEvent) -> str:
     if e.kind in ("kernel", "run"):
         return e.kind
     name = e.name
+    if "fell_back" in e.args:
+        return "fallback"
     if name.startswith("aten::"):
         return "aten"
     if "Optimizer" in name or "optimizer" in e.args.get("parent", "").lower():
@@ -76,8 +79,14 @@ def _hover(e: TimelineEvent) -> str:
         return "<br>".join(lines)
     if e.kind == "run":
         return f"<b>onnxruntime run</b> {html.escape(e.name)}<br>{when}"
-    parent = e.args.get("parent")
-    return "<br>".join([f"<b>{html.escape(e.name)}</b>", *([f"in {html.escape(parent)}"] if parent else []), when])
+    lines = [f"<b>{html.escape(e.name)}</b>"]
+    if "fell_back" in e.args:
+        lines += [f"runs in PyTorch: {html.escape(e.args['fell_back'])}",
+                  f"module: {html.escape(e.args.get('module') or '<root>')}",
+                  f"source: {html.escape(e.args.get('source') or '?')}"]
+    if e.args.get("parent"):
+        lines.append(f"in {html.escape(e.args['parent'])}")
+    return "<br>".join([*lines, when])
 
 
 def timeline_figure(timeline: Timeline) -> Any:

@@ -146,6 +146,10 @@ def test_ops_that_fell_back_are_in_the_pytorch_lane():
     _, tl = _recorded(ortlab.ORTModule(GPT(CONFIG), fallback_ops=["aten.gelu"]))
     gelu = [e for e in tl.of_kind("torch") if e.name == "aten::gelu"]
     assert gelu, sorted({e.name for e in tl.of_kind("torch")})
+    # Marked with the reason ortlab placed it in PyTorch, and the module and line that called it.
+    assert all("named in fallback_ops" in e.args["fell_back"] for e in gelu), gelu
+    assert gelu[0].args["module"] == "blocks.0" and "models.py:" in gelu[0].args["source"], gelu[0]
+    assert not any("fell_back" in e.args for e in tl.of_kind("torch") if e.name.startswith("Optimizer"))
     forward_parts = [r for r in tl.of_kind("run") if ".forward" in r.name]
     assert len(forward_parts) >= 2  # the forward is split around the op that fell back
     assert any(a.end_us <= gelu[0].start_us + EPS_US and gelu[0].end_us <= b.start_us + EPS_US
@@ -157,7 +161,7 @@ def test_a_step_without_onnxruntime_says_so():
     torch.manual_seed(0)
     _, tl = _recorded(GPT(CONFIG))  # a plain nn.Module: everything in PyTorch
     assert tl.graphs == [] and not tl.of_kind("kernel") and not tl.of_kind("run")
-    assert "no onnxruntime graph ran" in tl.notes[0]
+    assert "no onnxruntime graph ran in step 3" in tl.notes[0] and "plain nn.Module" in tl.notes[0]
     assert tl.summary.ort_kernels_us == 0 and tl.summary.torch_us > 0
     assert any(e.name == "aten::addmm" or e.name == "aten::linear" for e in tl.of_kind("torch"))
 
