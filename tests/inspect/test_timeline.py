@@ -36,11 +36,16 @@ def _recorded(model: torch.nn.Module) -> tuple[ortlab.ui.Monitor, Timeline]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = ortlab.monitor(model, every=5, show=False)
     _train(model, opt, 2)
+    report = getattr(model, "report", None)  # None for a plain nn.Module
+    runners = [p.runner for c in (report.captures if report else []) for g in c.graphs for p in g.parts]
+    sessions = [r.session for r in runners]
     step = mon.record_timeline()
     _train(model, opt, 4)
     mon.detach()
     timeline = mon.timeline()
     assert timeline.step == step
+    # Recording leaves the module as it was: its own sessions back, no spans around their runs.
+    assert [r.session for r in runners] == sessions and all(r.span is None for r in runners)
     return mon, timeline
 
 
