@@ -37,7 +37,7 @@ import numpy as np
 
 from ortlab.inspect.memory import sample_memory
 from ortlab.inspect.profile_window import ProfileWindow
-from ortlab.inspect.timeline_record import ARMED, TimelineRecorder
+from ortlab.inspect.timeline_record import ARMED, RECORDING, TimelineRecorder
 from ortlab.ui._monitor_data import StepLog
 
 __all__ = ["Schedule"]
@@ -123,17 +123,19 @@ class Schedule:
         if self.recorder is not None and self.recorder.busy and self.recorder.finish() is not None:
             self.log.windows.append((self._timeline_first, len(self.log.start)))
 
-    def _timeline_boundary(self, n: int) -> None:
-        """The timeline recorder's work at a boundary (n steps started)."""
+    def _timeline_boundary(self, n: int, ending: bool) -> None:
+        """The timeline recorder's work at a boundary (n steps started).
+
+        A recorded step ends first thing at its boundary (``ending``), and the next one
+        starts last thing, so the monitor's own work at the boundary is in neither.
+        """
         recorder = self.recorder
-        if recorder is None or not recorder.busy:
+        if recorder is None or not recorder.busy or ending != (recorder.state == RECORDING):
             return
         if recorder.state == ARMED:
             self._timeline_first = n
         if recorder.boundary(n) is not None:
             self.log.windows.append((self._timeline_first, n))  # its steps ran profiled
-        if recorder.busy:
-            self.next_check = n + 1
 
     @property
     def overhead(self) -> dict[str, float]:
@@ -169,11 +171,15 @@ class Schedule:
         if self._mark is None:  # first boundary since attach: start the clock
             self._mark, self._mark_n, self.next_check = now, n, n + self.every
             self._last = {k: n for k in self._last}
-            self._timeline_boundary(n)
+            self._timeline_boundary(n, ending=True)
+            self._timeline_boundary(n, ending=False)
+            if self.recorder is not None and self.recorder.busy:
+                self.next_check = n + 1
             return now
         self.train_s += now - self._mark
         self.train_steps += n - self._mark_n
         log.end[n - 1] = now
+        self._timeline_boundary(n, ending=True)
         profiling = 0.0  # seconds of this check spent on profile windows
         window = self._window
         if window is not None and window.active and n >= log.windows[-1][1]:
@@ -199,7 +205,6 @@ class Schedule:
             # (measured: tiny MLP 7 ms, 2-layer GPT at 21 ms a step 75-85 ms).
             step_s = self.train_s / self.train_steps
             self.cost["profile"] = 0.4 * (self.profile_steps + 1) * step_s + 2 * step_s + 0.005
-        self._timeline_boundary(n)
         if (
             self.profiling
             and not (self.recorder is not None and self.recorder.busy)
@@ -213,6 +218,7 @@ class Schedule:
             self._redraw()
             self.cost["redraw"] = time.perf_counter() - start
             self._last["redraw"] = n
+        self._timeline_boundary(n, ending=False)
         after = time.perf_counter()
         self.monitor_s += after - now
         self._spent["redraw"] += after - now - profiling  # checks and readings count as drawing work
