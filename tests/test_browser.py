@@ -359,3 +359,75 @@ def test_stepper_compare_and_bisect_in_jupyterlab(lab, browser):
     assert sidebar.get("ortlab.module") == "blocks.1", sidebar
     assert re.search(r"models\.py:\d+ in ", sidebar.get("ortlab.source", "")), sidebar
     result.screenshot(path=str(ARTIFACTS / "compare.png"))
+
+
+# A tiny GPT trained a few steps under the monitor, one step recorded as a timeline and shown inline.
+_TIMELINE_NOTEBOOK = [
+    """import torch, ortlab
+from ortlab.models import GPT, GPTConfig, make_batch
+torch.manual_seed(0)
+config = GPTConfig(vocab=100, d_model=32, n_heads=2, n_layers=1, block_size=16)
+model = ortlab.ORTModule(GPT(config))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+mon = ortlab.monitor(model, every=5, show=False)
+for step in range(6):
+    if step == 2:
+        mon.record_timeline()
+    idx, targets = make_batch("gpt", 2, vocab=config.vocab, block_size=config.block_size)
+    model(idx, targets).backward()
+    opt.step(); opt.zero_grad()
+mon.detach()""",
+    "timeline = mon.timeline()\nprint('recorded:', timeline.summary.line())\ntimeline",
+]
+
+# Each plotly trace of the page's last plot: its name, lanes, bars and hover texts.
+_PLOT_TRACES = (
+    "() => { const plots = document.querySelectorAll('.js-plotly-plot'); const p = plots[plots.length - 1];"
+    " return {title: p.layout.title.text, traces: p.data.map(t => ({name: t.name, y: t.y, n: (t.x || []).length,"
+    " hover: t.hovertext}))}; }"
+)
+
+
+def test_timeline_shows_inline(lab, browser):
+    (lab.root / "timeline.ipynb").write_text(_notebook(_TIMELINE_NOTEBOOK))
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    _run_all(page, lab, "timeline.ipynb", "recorded:")
+    plot = page.locator(".js-plotly-plot").last
+    plot.wait_for(timeout=60_000)
+    plot.scroll_into_view_if_needed()
+    page.wait_for_timeout(1000)
+    shown = page.evaluate(_PLOT_TRACES)
+    traces = {t["name"]: t for t in shown["traces"]}
+    plot.screenshot(path=str(ARTIFACTS / "timeline.png"))
+    # As a user would: drag across the forward's session run to zoom in, then hover its longest
+    # kernel; its node, module and source line show.
+    box = plot.bounding_box()
+    where = (
+        "() => { const plots = document.querySelectorAll('.js-plotly-plot'); const p = plots[plots.length - 1];"
+        " const xa = p._fullLayout.xaxis, ya = p._fullLayout.yaxis, at = (x, lane) =>"
+        " ({x: xa._offset + xa.l2p(x), y: ya._offset + ya.l2p(ya.d2l(lane))});"
+        " const run = p.data.find(t => t.name === 'onnxruntime session run'), k = p.data.find("
+        " t => t.name === 'onnxruntime kernel'); const r = run.y.indexOf('onnxruntime g0.forward');"
+        " let best = -1; k.y.forEach((lane, j) => { if (lane === 'onnxruntime g0.forward'"
+        "   && (best < 0 || k.x[j] > k.x[best])) best = j; });"
+        " return {from: at(run.base[r], run.y[r]), to: at(run.base[r] + run.x[r], run.y[r]),"
+        "         kernel: at(k.base[best] + k.x[best] / 2, k.y[best])}; }"
+    )
+    spots = page.evaluate(where)
+    page.mouse.move(box["x"] + spots["from"]["x"] - 2, box["y"] + spots["from"]["y"])
+    page.mouse.down()
+    page.mouse.move(box["x"] + spots["to"]["x"] + 2, box["y"] + spots["to"]["y"], steps=8)
+    page.mouse.up()
+    page.wait_for_timeout(1000)
+    spots = page.evaluate(where)
+    page.mouse.move(box["x"] + spots["kernel"]["x"], box["y"] + spots["kernel"]["y"], steps=4)
+    page.locator(".hoverlayer .hovertext").first.wait_for(state="attached", timeout=10_000)
+    hover = page.locator(".hoverlayer").last.text_content() or ""  # an SVG group: no innerText
+    plot.screenshot(path=str(ARTIFACTS / "timeline_zoom.png"))
+    assert "onnxruntime kernels" in shown["title"] and "PyTorch" in shown["title"], shown["title"]
+    kernels = traces["onnxruntime kernel"]
+    assert kernels["n"] > 50 and set(kernels["y"]) == {"onnxruntime g0.forward", "onnxruntime g0.backward"}
+    assert any("source:" in h and "models.py:" in h for h in kernels["hover"])
+    assert traces["optimizer"]["n"] >= 1 and traces["PyTorch op (aten)"]["n"] > 10
+    assert "PyTorch" in traces["optimizer"]["y"]
+    assert "module:" in hover and "models.py:" in hover, hover

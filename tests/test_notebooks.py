@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -73,6 +74,8 @@ def test_performance():
     text = text_of(nb)
     assert seconds < 180
     assert re.search(r"steps recorded: (39|40)", text)
+    assert re.search(r"step [\d.]+ ms: onnxruntime kernels [\d.]+ ms \(\d+%\)", text)  # the timeline
+    assert "trace: " in text and "onnxruntime g0.forward" in json.dumps(nb)  # its figure's lanes
     kernels = html_of(nb).split("Slowest onnxruntime kernels")[1]
     assert kernels.count("title='open in netron'") == 10 and "<iframe" in kernels
     assert re.search(r"\d+ ops; \d+ op groups in PyTorch", text)

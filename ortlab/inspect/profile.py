@@ -36,6 +36,7 @@ __all__ = [
     "merge",
     "count_runs",
     "load_events",
+    "provenance_of",
 ]
 
 logger = logging.getLogger(__name__)
@@ -171,15 +172,30 @@ def parse_profile(
             acc[2] += 1
     records = []
     for node, (op_type, dur, count, provider) in totals.items():
-        known = provenance.get(node)
-        prov = known if known and any(known.values()) else _by_prefix(node, provenance)
-        if prov is None:  # made by onnxruntime, or by onnxscript's optimizer without metadata (``n0``)
-            prov = {"fx_node": "", "module": UNKNOWN_MODULE if provenance else "", "op": "", "source": ""}
+        prov = provenance_of(node, provenance)
         records.append(
             NodeTime(node=node, op_type=op_type, dur_us=dur, count=count, graph=graph, provider=provider, **prov)
         )
     records.sort(key=lambda r: r.dur_us, reverse=True)
     return records
+
+
+def provenance_of(node: str, provenance: dict[str, dict[str, str]]) -> dict[str, str]:
+    """``{fx_node, module, op, source}`` of an ONNX node (as :func:`onnx_node_of` reads it).
+
+    A node onnxruntime added next to an exported one takes that one's provenance; a node
+    with none (made by onnxruntime, or by onnxscript's optimizer without metadata) has
+    ``module`` ``<unknown>`` (empty strings when ``provenance`` is empty).
+
+    Example:
+        >>> provenance_of("n0", {})["module"]
+        ''
+    """
+    known = provenance.get(node)
+    prov = known if known and any(known.values()) else _by_prefix(node, provenance)
+    if prov is None:
+        return {"fx_node": "", "module": UNKNOWN_MODULE if provenance else "", "op": "", "source": ""}
+    return dict(prov)
 
 
 def _end_of_runs(events: Sequence[dict], skip_runs: int) -> float:

@@ -106,6 +106,10 @@ class OrtRunner:
         self._no_data_ptr = self._no_data.data_ptr()
         self._out_devices = [self._ort_device] * len(self.output_names)
         self._run_options = RunOptions()
+        # While a timeline is recorded: the name of the ``torch.profiler.record_function`` span
+        # each session run is wrapped in (see Note [One time axis for PyTorch and onnxruntime]
+        # in ``ortlab.inspect.timeline_record``); None otherwise, at the cost of one test a call.
+        self.span: str | None = None
         if len(self.input_names) != len(input_kinds):
             raise InternalError(
                 f"the session has {len(self.input_names)} inputs but the graph has {len(input_kinds)} "
@@ -198,9 +202,15 @@ class OrtRunner:
             for t in tensors:
                 inputs.push_back(value_from_dlpack(t.detach().__dlpack__(), t.dtype == torch.bool))
         outputs = OrtValueVector()
-        self._sess.run_with_ortvaluevector(
-            self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
-        )
+        if self.span is None:
+            self._sess.run_with_ortvaluevector(
+                self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
+            )
+        else:  # a timeline is being recorded: the run shows in torch.profiler's trace as a span
+            with torch.profiler.record_function(self.span):
+                self._sess.run_with_ortvaluevector(
+                    self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
+                )
         produced = iter(outputs.to_dlpacks(from_dlpack_capsule))
         result: list = []
         for kind, dtype, source in zip(self.output_kinds, self.output_dtypes, self.output_sources):

@@ -37,6 +37,7 @@ import numpy as np
 
 from ortlab.inspect.memory import sample_memory
 from ortlab.inspect.profile_window import ProfileWindow
+from ortlab.inspect.timeline_record import ARMED, RECORDING, TimelineRecorder
 from ortlab.ui._monitor_data import StepLog
 
 __all__ = ["Schedule"]
@@ -87,6 +88,9 @@ class Schedule:
         self._window: ProfileWindow | None = None
         self._window_start_s = 0.0
         self._force_profile = False
+        # A step recorded on one time axis (Monitor.record_timeline), made when first asked for.
+        self.recorder: TimelineRecorder | None = None
+        self._timeline_first = 0
 
     def restart(self) -> None:
         """Watching starts (again): the next boundary only starts the clock."""
@@ -102,6 +106,36 @@ class Schedule:
         """Close the window in progress, if any (watching stops)."""
         if self._window is not None and self._window.active:
             self._stop_window()
+
+    def record_timeline(self) -> int:
+        """Record a coming step on one time axis; returns its number (from 1).
+
+        A profile window in progress closes now: both swap profiling sessions in.
+        """
+        if self.recorder is None:
+            self.recorder = TimelineRecorder(self.module)
+        self.stop_profiling()
+        self.next_check = min(self.next_check, len(self.log.start))
+        return self.recorder.arm(len(self.log.start))
+
+    def finish_timeline(self) -> None:
+        """End the timeline being recorded now (at its last event); cancel one armed."""
+        if self.recorder is not None and self.recorder.busy and self.recorder.finish() is not None:
+            self.log.windows.append((self._timeline_first, len(self.log.start)))
+
+    def _timeline_boundary(self, n: int, ending: bool) -> None:
+        """The timeline recorder's work at a boundary (n steps started).
+
+        A recorded step ends first thing at its boundary (``ending``), and the next one
+        starts last thing, so the monitor's own work at the boundary is in neither.
+        """
+        recorder = self.recorder
+        if recorder is None or not recorder.busy or ending != (recorder.state == RECORDING):
+            return
+        if recorder.state == ARMED:
+            self._timeline_first = n
+        if recorder.boundary(n) is not None:
+            self.log.windows.append((self._timeline_first, n))  # its steps ran profiled
 
     @property
     def overhead(self) -> dict[str, float]:
@@ -137,10 +171,15 @@ class Schedule:
         if self._mark is None:  # first boundary since attach: start the clock
             self._mark, self._mark_n, self.next_check = now, n, n + self.every
             self._last = {k: n for k in self._last}
+            self._timeline_boundary(n, ending=True)
+            self._timeline_boundary(n, ending=False)
+            if self.recorder is not None and self.recorder.busy:
+                self.next_check = n + 1
             return now
         self.train_s += now - self._mark
         self.train_steps += n - self._mark_n
         log.end[n - 1] = now
+        self._timeline_boundary(n, ending=True)
         profiling = 0.0  # seconds of this check spent on profile windows
         window = self._window
         if window is not None and window.active and n >= log.windows[-1][1]:
@@ -168,6 +207,7 @@ class Schedule:
             self.cost["profile"] = 0.4 * (self.profile_steps + 1) * step_s + 2 * step_s + 0.005
         if (
             self.profiling
+            and not (self.recorder is not None and self.recorder.busy)
             and (window is None or not window.active)
             and (self._force_profile or (n - self._last["window"] >= self.every and self.allowed("profile")))
         ):
@@ -178,11 +218,12 @@ class Schedule:
             self._redraw()
             self.cost["redraw"] = time.perf_counter() - start
             self._last["redraw"] = n
+        self._timeline_boundary(n, ending=False)
         after = time.perf_counter()
         self.monitor_s += after - now
         self._spent["redraw"] += after - now - profiling  # checks and readings count as drawing work
         self._mark, self._mark_n = after, n
-        self.next_check = n + self.every
+        self.next_check = n + (1 if self.recorder is not None and self.recorder.busy else self.every)
         if self._window is not None and self._window.active:
             self.next_check = min(self.next_check, log.windows[-1][1])
         return after

@@ -145,6 +145,7 @@ class Monitor:
             self._log.drop_last()
         self._attached = False
         self._schedule.stop_profiling()
+        self._schedule.finish_timeline()
 
     def close(self) -> None:
         """Stop watching, read a ``profile=True`` module's profile, and draw the final state.
@@ -231,6 +232,55 @@ class Monitor:
                 "or the module profiles every step already (profile=True; read at close())."
             )
         self._schedule.profile_now()
+
+    def record_timeline(self) -> int:
+        """Record a coming training step on one time axis; returns its number (see :meth:`timeline`).
+
+        Example:
+            >>> mon.record_timeline()      # 12: one warm-up step, then step 12 is recorded  # doctest: +SKIP
+        """
+        if self.ortmodule is None or not self._attached:
+            raise OrtlabError("this monitor is not watching a module (loaded from a file, or detached): "
+                              "a timeline records a training step it watches.")
+        step = self._schedule.record_timeline()
+        logger.info("ortlab monitor: step %d will be recorded as a timeline", step)
+        return step
+
+    def timeline(self) -> Any:
+        """One training step with PyTorch's ops and onnxruntime's kernels on one time axis.
+
+        Returns the last step recorded by :meth:`record_timeline` (an
+        ``ortlab.inspect.timeline.Timeline``; a notebook shows it as a plotly figure
+        titled with where the step's time went); a step still being recorded ends at
+        its last event. When none was recorded or armed, this arms one and raises,
+        saying which step will be recorded: train until it ends, then call again.
+
+        Example:
+            >>> mon.record_timeline()                 # doctest: +SKIP
+            >>> for _ in range(3): train_step()       # doctest: +SKIP
+            >>> mon.timeline()                        # the figure  # doctest: +SKIP
+        """
+        from ortlab.ui import _timeline_figure  # noqa: F401  (registers the timeline's views)
+
+        recorder = self._schedule.recorder
+        if recorder is not None and recorder.state == "recording":
+            self._schedule.finish_timeline()
+        if recorder is not None and recorder.last is not None:
+            return recorder.last
+        if recorder is not None and recorder.busy:
+            raise OrtlabError(f"step {recorder.step} will be recorded as a timeline; it has not run yet "
+                              f"({self.steps} steps so far): train until it ends, then call mon.timeline() again.")
+        step = self.record_timeline()
+        raise OrtlabError(f"no timeline recorded yet: step {step} will be recorded (after one warm-up step when "
+                          "onnxruntime runs); train until it ends, then call mon.timeline() again.")
+
+    def export_trace(self, path: str | os.PathLike) -> str:
+        """Write the recorded step (:meth:`timeline`) as a Chrome trace JSON, for Perfetto or chrome://tracing.
+
+        Example:
+            >>> mon.export_trace("step.json")      # open it in https://ui.perfetto.dev  # doctest: +SKIP
+        """
+        return self.timeline().export_trace(path)
 
     # -------------------------------------------------------------------------- data
     @property
