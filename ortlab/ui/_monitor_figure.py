@@ -48,7 +48,7 @@ _CELLS = {"loss": (1, 1), "step_ms": (1, 2), "profiled_step_ms": (1, 2), "kernel
           "samples_per_s": (2, 1), "rss": (2, 2), "cuda_used": (2, 2), "cuda_allocated": (2, 2), "saved": (2, 2),
           "top_ops": (3, 1), "op_types": (4, 1), "modules": (4, 2)}
 _NAMES = {"loss": "loss", "step_ms": "step", "profiled_step_ms": "profiled step",
-          "kernel_ms": "onnxruntime kernels / step", "samples_per_s": "samples/s", "rss": "process RSS",
+          "kernel_ms": "kernel time (onnxruntime)", "samples_per_s": "samples/s", "rss": "process RSS",
           "saved": "saved activations", "cuda_used": "CUDA used (device)",
           "cuda_allocated": "CUDA allocated (torch)"}
 _COLORS = {"loss": "#636efa", "step_ms": "#636efa", "profiled_step_ms": "#ab63fa", "kernel_ms": "#ff7f0e",
@@ -169,8 +169,9 @@ def figure(s: dict[str, tuple], title: str, kernels: str) -> Any:
             style = {"mode": "markers", "marker": {"size": 5, "color": _COLORS[name]}}
         elif name == "kernel_ms":
             style = {"mode": "markers", "marker": {"symbol": "diamond", "size": 8, "color": _COLORS[name]}}
-        if name in MEMORY:
-            style["visible"] = bool(np.isfinite(y).any())
+        if name in MEMORY:  # readings come every ``every`` steps at least: a point shows the first
+            style.update(mode="lines+markers", marker={"size": 4, "color": _COLORS[name]},
+                         visible=bool(np.isfinite(y).any()))
         legend = {"step_ms": "legend", "profiled_step_ms": "legend", "kernel_ms": "legend"}.get(
             name, "legend2" if name in MEMORY else None)
         row, col = _CELLS[name]
@@ -205,10 +206,10 @@ def figure(s: dict[str, tuple], title: str, kernels: str) -> Any:
     step_axis = next(t for t in fig.data if t.name == _NAMES["step_ms"])
     memory_axis = next(t for t in fig.data if t.name == _NAMES["rss"])
     top_axis = next(t for t in fig.data if t.name == "top_ops")
-    for key, trace in (("legend", step_axis), ("legend2", memory_axis)):
-        layout[key] = {"orientation": "h", "xanchor": "right", "yanchor": "bottom", "font": {"size": 10},
-                       "x": layout[_axis("x", trace.xaxis)].domain[1],
-                       "y": layout[_axis("y", trace.yaxis)].domain[1] + 0.004, "bgcolor": "rgba(0,0,0,0)"}
+    for key, trace in (("legend", step_axis), ("legend2", memory_axis)):  # inside its panel, top right
+        layout[key] = {"orientation": "v", "xanchor": "right", "yanchor": "top", "font": {"size": 10},
+                       "x": layout[_axis("x", trace.xaxis)].domain[1] - 0.005,
+                       "y": layout[_axis("y", trace.yaxis)].domain[1] - 0.005, "bgcolor": "rgba(255,255,255,0.7)"}
     fig.add_annotation(name="first_step", text=_first_text(s["first_s"][0]), showarrow=False,
                        xref=f"{step_axis.xaxis} domain", yref=f"{step_axis.yaxis} domain", x=0.01, y=0.98,
                        xanchor="left", yanchor="top", font={"size": 11, "color": "#444"},
@@ -231,37 +232,65 @@ def _axis(letter: str, ref: str) -> str:
     return f"{letter}axis{ref[1:]}"
 
 
+def _fingerprint(x: Any, y: Any) -> tuple:
+    """What tells a line's data changed: its length and its last point (lines only grow at the end)."""
+    n = len(x)
+    return (n, repr(float(x[-1])), repr(float(y[-1]))) if n else (0,)  # repr: NaN equals NaN
+
+
 def update_traces(fig: Any, s: dict[str, tuple], title: str, kernels: str) -> None:
-    """Set every trace, label and note of a :func:`figure` to :func:`series` ``s``, in one batch."""
+    """Set the traces, labels and notes of a :func:`figure` that changed to :func:`series` ``s``, in one batch.
+
+    What was last set is kept on the figure (``fig._ortlab_drawn``): plotly validates every
+    property set, and a redraw sets only what changed (the growing lines, mostly), so it
+    costs a few milliseconds (Note [Staying within the overhead budget] in
+    ``ortlab.ui._monitor_schedule``).
+    """
+    drawn = getattr(fig, "_ortlab_drawn", None)
+    if drawn is None:
+        drawn = {}
+        fig._ortlab_drawn = drawn
+
+    def changed(key: str, value: Any) -> bool:
+        if drawn.get(key, changed) == value:  # (a sentinel nothing equals)
+            return False
+        drawn[key] = value
+        return True
+
     with fig.batch_update():
         layout = fig.layout
+        if "notes" not in drawn:  # annotation indices by name, found once
+            drawn["notes"] = {note.name: i for i, note in enumerate(layout.annotations) if note.name}
+        notes = drawn["notes"]
         for trace, name in zip(fig.data, LINES + BARS):
             if name in BARS:
                 labels, values, hover = s[name]
+                if not changed(name, (tuple(labels), tuple(np.round(values, 3)))):
+                    continue
                 width = LABEL_CHARS[name]
                 trace.y, trace.x = np.arange(len(labels)), values
                 trace.hovertext = [f"<b>{label}</b><br>{more}" for label, more in zip(labels, hover)]
                 layout[_axis("y", trace.yaxis)].update(tickvals=list(range(len(labels))),
                                                        ticktext=[shorten(label, width) for label in labels],
                                                        visible=bool(len(labels)))
-            else:
+                if f"{name}_empty" in notes:
+                    layout.annotations[notes[f"{name}_empty"]].visible = not len(labels)
+            elif changed(name, _fingerprint(*s[name])):
                 trace.x, trace.y = s[name]
                 if name in MEMORY:
                     trace.visible = bool(np.isfinite(s[name][1]).any())
-        for note in layout.annotations:
-            if note.name == "first_step":
-                note.text = _first_text(s["first_s"][0])
-            elif note.name == "kernels":
-                note.update(text=kernels, y=0.5 if not len(s["top_ops"][0]) else 1.0,
-                            yanchor="middle" if not len(s["top_ops"][0]) else "bottom",
-                            x=0.5 if not len(s["top_ops"][0]) else 1.0,
-                            xanchor="center" if not len(s["top_ops"][0]) else "right",
-                            font={"size": 13 if not len(s["top_ops"][0]) else 11})
-            elif note.name and note.name.endswith("_empty"):
-                note.visible = not len(s[note.name[: -len("_empty")]][0])
-        wrapped = wrap(title) if title else ""
-        layout.title.text = wrapped or None
-        layout.margin.t = 40 + 20 * (wrapped.count("<br>") + 1) if wrapped else 40
+        if changed("first_step", s["first_s"][0]):
+            layout.annotations[notes["first_step"]].text = _first_text(s["first_s"][0])
+        empty = not len(s["top_ops"][0])
+        if changed("kernels", (kernels, empty)):
+            layout.annotations[notes["kernels"]].update(
+                text=kernels, x=0.5 if empty else 1.0, y=0.5 if empty else 1.0,
+                xanchor="center" if empty else "right", yanchor="middle" if empty else "bottom",
+                font={"size": 13 if empty else 11})
+        if changed("title", title):
+            wrapped = wrap(title) if title else ""
+            layout.title.text = wrapped or None
+            layout.margin.t = 40 + 20 * (wrapped.count("<br>") + 1) if wrapped else 40
 
 
 def bundle(fig: Any, text: str) -> dict[str, Any]:

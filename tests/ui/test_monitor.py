@@ -192,7 +192,7 @@ def test_profile_windows_fill_the_kernel_panels():
     assert len(top.y) == min(10, len(mon.profiles[-1]["nodes"])) and all(v > 0 for v in top.x)
     bars = [t for t in mon._figure_widget.data if t.type == "bar"]
     assert set(_bar_labels(mon._figure_widget, bars[2])) <= {"net.0", "net.1", "net.2"}
-    assert len(_widget_trace(mon, "onnxruntime kernels / step").x) == len(mon.profiles)
+    assert len(_widget_trace(mon, "kernel time (onnxruntime)").x) == len(mon.profiles)
     assert len(om.report.captures) == 1, "profiling does not re-capture"
 
 
@@ -426,9 +426,9 @@ def test_falls_back_to_a_plain_figure_updated_in_place(monkeypatch):
     bundle, raw = shown[0]
     # A raw mime bundle, not the Figure: a Figure's own display ignores display_id.
     assert raw and "text/html" in bundle and "waiting for the first step" in bundle["text/plain"]
-    assert len(updates) == 1  # show() times one redraw: the budget's first estimate
+    assert len(updates) == 2  # show() draws, then times a redraw: the budget's first estimate
     _train(om, 7, mon)
-    texts = [u[0]["text/plain"] for u in updates[1:]]
+    texts = [u[0]["text/plain"] for u in updates[2:]]
     assert all(kwargs == {"raw": True} for _, kwargs in updates)
     compiling = [t for t in texts if "compiling for onnxruntime" in t]
     assert any("exported to ONNX" in t for t in compiling), texts  # the stages, live
