@@ -431,3 +431,93 @@ def test_timeline_shows_inline(lab, browser):
     assert traces["optimizer"]["n"] >= 1 and traces["PyTorch op (aten)"]["n"] > 10
     assert "PyTorch" in traces["optimizer"]["y"]
     assert "module:" in hover and "models.py:" in hover, hover
+
+
+# A small GPT trained for 60 steps under a live monitor. Each step waits 60 ms for its batch (as
+# a data loader would), so the loop runs for seconds and the monitor redraws on its clock.
+_MONITOR_NOTEBOOK = [
+    """import time, torch, ortlab
+from ortlab.models import GPT, GPTConfig, make_batch
+torch.manual_seed(0)
+config = GPTConfig(vocab=200, d_model=64, n_heads=2, n_layers=2, block_size=32)
+model = ortlab.ORTModule(GPT(config))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+# No budget: a redraw each second of this short loop, whatever a redraw costs on this busy 2-core
+# box (7-40 ms); the budget's rationing is tested in tests/ui/test_monitor.py.
+mon = ortlab.monitor(model, budget=None, every=25)""",
+    """for step in range(60):
+    idx, targets = make_batch("gpt", 8, vocab=config.vocab, block_size=config.block_size)
+    model(idx, targets).backward()
+    opt.step(); opt.zero_grad()
+    time.sleep(0.06)  # the data loader fetches the next batch
+print("trained", mon.steps, "steps")""",
+]
+
+# The monitor's status line, the number of points of its loss line, and how wide its plot is
+# against the output it sits in.
+_MONITOR_STATE = """() => {
+  const status = document.querySelector('.ortlab-monitor-status');
+  const plot = document.querySelector('.js-plotly-plot');
+  const loss = plot && (plot.data || []).find(t => t.name === 'loss');
+  const output = plot && plot.closest('.jp-OutputArea-output');
+  const svg = plot && plot.querySelector('.main-svg');
+  return {status: status ? status.innerText : '', points: loss && loss.x ? loss.x.length : 0,
+          plot: svg ? svg.getBoundingClientRect().width : 0,
+          output: output ? output.getBoundingClientRect().width : 0};
+}"""
+
+
+def _show_monitor(page: Any) -> None:
+    """Scroll the monitor's status line to the top of the notebook (what a user looks at)."""
+    page.locator(".ortlab-monitor-status").first.evaluate("e => e.scrollIntoView({block: 'start'})")
+
+
+def _watch_monitor(page: Any, done: str, timeout: float = 300) -> list[dict[str, Any]]:
+    """Poll the monitor's state every 100 ms until an output contains ``done``; every state seen.
+
+    Saves ``monitor-live.png`` while the loop runs (half of it drawn).
+    """
+    seen: list[dict[str, Any]] = []
+    shot = False
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = page.evaluate(_MONITOR_STATE)
+        if not seen or state != seen[-1]:
+            seen.append(state)
+        if not shot and state["points"] >= 20:
+            _show_monitor(page)
+            page.screenshot(path=str(ARTIFACTS / "monitor-live.png"))
+            shot = True
+        if done in page.evaluate(OUTPUTS):
+            return seen
+        page.wait_for_timeout(100)
+    pytest.fail(f"no output {done!r} after {timeout:.0f} s; the monitor showed {seen[-3:]}")
+
+
+def test_monitor_is_live_and_fills_the_width(lab, browser):
+    (lab.root / "monitor.ipynb").write_text(_notebook(_MONITOR_NOTEBOOK))
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    _run_all(page, lab, "monitor.ipynb", "ortlab monitor")  # the status line is up: the loop starts
+    seen = _watch_monitor(page, "trained 60 steps")
+    page.wait_for_timeout(1500)  # the redraw at the cell's end
+    statuses = [s["status"] for s in seen]
+    compiling = [s for s in statuses if "step 1 compiling for onnxruntime" in s]
+    # (a) The first step's compile showed its stages as they came, (b) the plot redrew during the loop.
+    assert any("exported to ONNX" in s for s in compiling), statuses
+    assert any("building its onnxruntime session" in s for s in compiling), statuses
+    redrawn = sorted({s["points"] for s in seen if 0 < s["points"] < 60})
+    assert len(redrawn) >= 3, (redrawn, statuses[-5:])
+    # (c) The count shown is the steps run.
+    final = page.evaluate(_MONITOR_STATE)
+    assert final["status"].startswith("step 60 |"), final
+    assert "first step (capture + export)" in final["status"]
+    assert final["points"] == 60
+    assert (ARTIFACTS / "monitor-live.png").exists()
+    # (d) The plot fills the output at 1280x800 and at 1920x1080.
+    for width, height in ((1280, 800), (1920, 1080)):
+        page.set_viewport_size({"width": width, "height": height})
+        page.wait_for_timeout(1500)  # plotly follows the new width
+        _show_monitor(page)
+        page.screenshot(path=str(ARTIFACTS / f"monitor-{width}.png"))
+        state = page.evaluate(_MONITOR_STATE)
+        assert state["plot"] >= 0.95 * state["output"] - 30 and state["output"] > 0.5 * width, (width, state)

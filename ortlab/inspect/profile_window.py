@@ -75,7 +75,7 @@ def _provenance_of(runner: Any, exported: Any) -> dict[str, dict[str, str]]:
     return prov
 
 
-def collect_profile(ortmodule: Any, remove_files: bool = False) -> list[NodeTime]:
+def collect_profile(ortmodule: Any, remove_files: bool = False, skip_runs: int = 0) -> list[NodeTime]:
     """End the profiles of every session of an ORTModule built with ``profile=True``.
 
     onnxruntime writes a profile only when it ends, and a session cannot profile
@@ -85,6 +85,8 @@ def collect_profile(ortmodule: Any, remove_files: bool = False) -> list[NodeTime
     Args:
         ortmodule: an ``ortlab.ORTModule`` created (or reconfigured) with ``profile=True``.
         remove_files: delete the JSON files after reading them.
+        skip_runs: leave out each session's first ``skip_runs`` runs (the first step's
+            run allocates memory and warms caches; see ``parse_profile``).
 
     Returns:
         Node records of all graphs, slowest first; empty when nothing was profiled.
@@ -100,7 +102,8 @@ def collect_profile(ortmodule: Any, remove_files: bool = False) -> list[NodeTime
         if not path or not os.path.exists(path):
             continue
         try:
-            records.append(parse_profile(path, graph=graph, provenance=_provenance_of(runner, exported)))
+            records.append(parse_profile(path, graph=graph, provenance=_provenance_of(runner, exported),
+                                         skip_runs=skip_runs))
         except (OSError, ValueError) as e:
             logger.warning("could not read the onnxruntime profile %s: %s", path, e)
             continue

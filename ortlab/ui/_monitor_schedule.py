@@ -1,24 +1,39 @@
 """The monitor's work at step boundaries, kept within its overhead budget.
 
-At a checked boundary (every ``every`` steps, see :attr:`Schedule.next_check`) the
-:class:`Schedule` ends the step's timing, reads memory, opens or closes a profile
-window and redraws the views, each when it is due and fits the budget; it times all of
-it, so the monitor's overhead is measured, not guessed.
+A check comes at a step boundary when ``every`` steps have started since the last
+one, or when ``redraw_s`` seconds have passed since the last redraw (see
+:attr:`Schedule.next_check` and :attr:`Schedule.due`): the :class:`Schedule` ends the
+step's timing, reads memory, opens or closes a profile window and redraws the views,
+each when it is due and fits the budget; it times all of it, so the monitor's
+overhead is measured, not guessed.
+
+Note [Redrawing by the clock]
+Redraws come about once a second of wall time (``redraw_s``), not every ``every``
+steps: a step takes 0.4 ms (a tiny MLP) or seconds (a real model), so no step count
+suits both; a redraw every 10 steps of a 2 s step would show nothing for 20 s, every
+10 steps of a 0.4 ms step would double its time. The watcher already reads the clock
+at each step, so the test costs one comparison. The first boundary after a slow first
+step (it compiled, for longer than ``redraw_s``) redraws at once, whatever the budget:
+it ends seconds of waiting, and costs milliseconds against them (counted in
+``monitor_s`` all the same). Memory readings and profile windows stay counted in steps (``every``).
 
 Note [Staying within the overhead budget]
-A redraw costs 1-3 ms (numpy arrays, at most ``max_points`` per trace; plain lists
-of 10k points cost 150 ms) and a profile window 7 ms (tiny MLP) to 80 ms (2-layer
-GPT), most of it the profiled steps running ~40% slower (see Note [Sampling the
-profiler in windows] in ``ortlab.inspect.profile_window``). A tiny MLP's step takes
-0.4 ms: redrawing every 10 steps would double it. So ``every`` is the *shortest*
-interval: the monitor times all it does (redraws, memory readings, profile
+A redraw costs 1-3 ms without a front end and 5-10 ms in JupyterLab (numpy arrays,
+at most ``max_points`` per trace, only the traces that changed; plain lists of 10k
+points cost 150 ms) and a profile window 7 ms (tiny MLP) to 300 ms (2-layer GPT),
+most of it the profiled steps running ~40% slower (see Note [Sampling the profiler
+in windows] in ``ortlab.inspect.profile_window``). A tiny MLP's step takes 0.4 ms:
+redrawing every 10 steps would double it. So the monitor times all it does (redraws, memory readings, profile
 windows, and the profiled steps' extra time over the median step) and starts
 optional work only while it stays under ``budget`` (default 1.5%) of the
-monitored training time, not counting the first step (the capture): a third for
-drawing and readings, two thirds for profiling. Before measuring, it times one
+monitored training time, not counting the first step (the capture): half for
+drawing and readings (a redraw a second at up to 7 ms), half for profiling. The
+redraw at the end of a slow first step (Note [Redrawing by the clock]) is counted in
+``monitor_s`` but not against the drawing share: it is paid against the first step,
+which the share does not count either. Before measuring, it times a
 redraw when the view is built and estimates a window from the step time, so
 short runs do not overshoot. The first window of a model with 25 ms steps thus
-comes after about 10 s of training; ``mon.profile_now()`` takes one at the next
+comes after about 13 s of training; ``mon.profile_now()`` takes one at the next
 step whatever the budget. A step's recorded time excludes the monitor's work at
 its boundary, so redraws do not show up as slow steps.
 
@@ -29,6 +44,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +58,7 @@ from ortlab.ui._monitor_data import StepLog
 
 __all__ = ["Schedule"]
 
-_SHARES = {"redraw": 1 / 3, "profile": 2 / 3}  # of the budget; see Schedule.allowed
+_SHARES = {"redraw": 1 / 2, "profile": 1 / 2}  # of the budget; see Schedule.allowed
 
 
 class Schedule:
@@ -50,14 +66,18 @@ class Schedule:
 
     Attributes:
         log: the recorded steps (windows, memory readings and profiles go there too).
-        every: steps between redraws and memory readings, at least.
+        every: steps between memory readings and profile windows, at least.
+        redraw_s: seconds between redraws, about (see Note [Redrawing by the clock]).
         budget: the fraction of training time the monitor may spend, or None.
         profile_steps: steps per profile window (one more warms it up).
         profiling: whether profile windows open (off once nothing runs in onnxruntime).
         monitor_s: seconds the monitor spent while training.
         train_s, train_steps: the monitored training time and steps (from the second boundary).
         cost: seconds a redraw, a profile window and a memory reading take: measured, or first guesses.
-        next_check: :meth:`check` is due when this many steps have started.
+        next_check: :meth:`check` is due when this many steps have started...
+        due: ... or when the clock (``time.perf_counter``) passes this.
+        why_not: why no profile windows open (None while they may).
+        redraws: the redraws at step boundaries so far.
     """
 
     def __init__(
@@ -72,8 +92,14 @@ class Schedule:
         profiling: bool,
         redraw: Callable[[], None],
         can_redraw: Callable[[], bool],
+        redraw_s: float = 1.0,
+        why_not: str | None = None,
     ) -> None:
         self.module, self.log, self._steps = module, log, steps
+        self.redraw_s, self.why_not, self.redraws = redraw_s, why_not, 0
+        self.due = math.inf
+        self._redrawn_at = -math.inf
+        self._first_drawn = False
         self.every, self.budget, self.profile_steps, self.profiling = every, budget, profile_steps, profiling
         self._redraw, self._can_redraw = redraw, can_redraw
         # Budget (see the Note): measured costs, or first guesses.
@@ -83,7 +109,7 @@ class Schedule:
         self.cost = {"redraw": 0.005, "profile": 0.01, "memory": 0.0}
         self._spent = {"redraw": 0.0, "profile": 0.0}
         self.next_check = 0
-        self._last = {"redraw": 0, "memory": 0, "window": 0}
+        self._last = {"memory": 0, "window": 0}
         # Profiling.
         self._window: ProfileWindow | None = None
         self._window_start_s = 0.0
@@ -96,6 +122,43 @@ class Schedule:
         """Watching starts (again): the next boundary only starts the clock."""
         self._mark = None
         self.next_check = len(self.log.start) + 1
+
+    def pause(self, now: float) -> None:
+        """Training stops for a while (a notebook cell ended): the time until the next step is not training.
+
+        The steps since the last check count until ``now``; the next step's start
+        starts the clock again.
+        """
+        if self._mark is not None:
+            self.train_s += max(now - self._mark, 0.0)
+            self.train_steps += len(self.log.start) - self._mark_n
+            self._mark = None
+        self.next_check = len(self.log.start) + 1
+
+    def next_window(self) -> int | None:
+        """The step the next profile window should open at (an estimate from the budget), or None.
+
+        Example:
+            >>> schedule.next_window()      # doctest: +SKIP
+            412
+        """
+        if not self.profiling or (self._window is not None and self._window.active):
+            return None
+        n = len(self.log.start)
+        if self._force_profile:
+            return n + 1
+        wait = max(self._last["window"] + self.every - n, 0) if self.log.profiles else 0
+        if self.budget is None:
+            return n + max(wait, 1)
+        if not self.train_steps:
+            return None
+        step_s = self.train_s / self.train_steps
+        needed = (self._spent["profile"] + self.cost["profile"]) / (_SHARES["profile"] * self.budget) - self.train_s
+        return n + max(wait, math.ceil(max(needed, 0.0) / step_s) if step_s > 0 else 0, 1)
+
+    def window(self) -> tuple[int, int] | None:
+        """The profile window in progress, ``[first, end)`` step indices, or None."""
+        return self.log.windows[-1] if self._window is not None and self._window.active else None
 
     def profile_now(self) -> None:
         """Open a profile window at the next boundary, whatever the budget."""
@@ -146,8 +209,7 @@ class Schedule:
     def allowed(self, kind: str, share: str | None = None) -> bool:
         """Whether ``kind`` of work fits in its share of the budget.
 
-        Drawing gets a third and profiling two thirds (a window costs ten times a
-        redraw), so neither starves the other; memory readings and the checks
+        Drawing and profiling get half each, so neither starves the other; memory readings and the checks
         themselves come out of the drawing share.
 
         Example:
@@ -172,9 +234,18 @@ class Schedule:
             self._mark, self._mark_n, self.next_check = now, n, n + self.every
             self._last = {k: n for k in self._last}
             self._timeline_boundary(n, ending=True)
+            slow = n > 0 and now - log.start[n - 1] >= self.redraw_s
+            if not self._first_drawn and slow and self._can_redraw():  # the compiling step ended: show it now
+                self._first_drawn = True
+                log.end[n - 1] = now
+                self._redraw_now()
+                after = time.perf_counter()
+                self.monitor_s += after - now  # not against the drawing share (see the Notes)
+                self._mark = now = after
             self._timeline_boundary(n, ending=False)
             if self.recorder is not None and self.recorder.busy:
                 self.next_check = n + 1
+            self._set_due(now)
             return now
         self.train_s += now - self._mark
         self.train_steps += n - self._mark_n
@@ -213,11 +284,8 @@ class Schedule:
         ):
             self._force_profile = False
             profiling += self._start_window(n)
-        if n - self._last["redraw"] >= self.every and self._can_redraw() and self.allowed("redraw"):
-            start = time.perf_counter()
-            self._redraw()
-            self.cost["redraw"] = time.perf_counter() - start
-            self._last["redraw"] = n
+        if now - self._redrawn_at >= self.redraw_s and self._can_redraw() and self.allowed("redraw"):
+            self._redraw_now()
         self._timeline_boundary(n, ending=False)
         after = time.perf_counter()
         self.monitor_s += after - now
@@ -226,7 +294,19 @@ class Schedule:
         self.next_check = n + (1 if self.recorder is not None and self.recorder.busy else self.every)
         if self._window is not None and self._window.active:
             self.next_check = min(self.next_check, log.windows[-1][1])
+        self._set_due(after)
         return after
+
+    def _redraw_now(self) -> None:
+        start = time.perf_counter()
+        self._redraw()
+        self._redrawn_at = time.perf_counter()
+        self.cost["redraw"] = self._redrawn_at - start
+        self.redraws += 1
+
+    def _set_due(self, now: float) -> None:
+        """When the clock makes the next check due: the next redraw, or a retry soon when the budget held it back."""
+        self.due = max(self._redrawn_at + self.redraw_s, now + 0.1 * self.redraw_s) if self._can_redraw() else math.inf
 
     def _start_window(self, n: int) -> float:
         """Swap profiling sessions in for the next steps; returns the seconds it took."""
@@ -235,6 +315,7 @@ class Schedule:
             self._window = ProfileWindow(self.module, skip_runs=1)
         if self._window.start() == 0:
             self.profiling = False  # nothing runs in onnxruntime
+            self.why_not = "nothing runs in onnxruntime, no kernels to profile"
         else:
             self.log.windows.append((n, n + self.profile_steps + 1))  # the first step warms the sessions up
         self._window_start_s = time.perf_counter() - start

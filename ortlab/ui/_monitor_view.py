@@ -1,15 +1,17 @@
 """The monitor's views in a notebook: a live FigureWidget, or a plain figure redrawn in place.
 
 Where widgets render, the view is an ipywidgets VBox (a status line over a plotly
-``FigureWidget``) updated in one ``batch_update`` per redraw; elsewhere (Colab, VS Code,
-no ipywidgets, ``mode="static"``) a plain figure is displayed as a raw mime bundle with
-a display id and replaced in place. After each notebook cell the view draws what the
+``FigureWidget``), as wide as the output, updated in one ``batch_update`` per redraw;
+elsewhere (Colab, VS Code, no ipywidgets, ``mode="static"``) a plain figure, titled
+with the status line, is displayed as a raw mime bundle with a display id and
+replaced in place. The status line alone changes while a step compiles
+(:meth:`MonitorView.show_status`). After each notebook cell the view draws what the
 budget held back. The figure itself is ``_monitor_figure``'s; what to draw comes from
 the monitor's :class:`~ortlab.ui._monitor_data.StepLog`.
 
 Example:
     >>> view = MonitorView(log, lambda: mon.steps, mon.status, mode="auto", max_points=1000,  # doctest: +SKIP
-    ...                    top=10, module_depth=None, timed=lambda s: None)
+    ...                    top=10, module_depth=None, timed=lambda s: None, kernels=lambda: "")
     >>> view.show()                                                                  # doctest: +SKIP
 """
 
@@ -51,8 +53,11 @@ class MonitorView:
         top: int,
         module_depth: int | None,
         timed: Callable[[float], None],
+        kernels: Callable[[], str],
+        cell_ended: Callable[[], None] = lambda: None,
     ) -> None:
         self.log, self._steps, self._status, self._timed = log, steps, status, timed
+        self._kernels, self._cell_ended = kernels, cell_ended
         self.mode, self.max_points, self.top, self.module_depth = mode, max_points, top, module_depth
         self.figure_widget: Any = None
         self.status_widget: Any = None
@@ -70,7 +75,7 @@ class MonitorView:
         Example:
             >>> view.figure().write_html("run.html")     # doctest: +SKIP
         """
-        return plots.figure(self._series(), self._status())
+        return plots.figure(self._series(), self._status(), self._kernels())
 
     def _series(self) -> dict[str, tuple]:
         return plots.series(self.log, self._steps(), self.max_points, self.top, self.module_depth)
@@ -78,14 +83,28 @@ class MonitorView:
     def redraw(self) -> None:
         """Push the current data to every view, each figure in one ``batch_update``."""
         self._drawn = self._steps()
-        s, status = self._series(), self._status()
+        s, status, kernels = self._series(), self._status(), self._kernels()
         if self.figure_widget is not None:
-            plots.update_traces(self.figure_widget, s, status)
+            plots.update_traces(self.figure_widget, s, "", kernels)
             if self.status_widget is not None:
-                self.status_widget.value = f"<code>{status}</code>"
+                self.status_widget.value = _status_html(status)
         if self._handles:
-            plots.update_traces(self._static_figure, s, status)
+            plots.update_traces(self._static_figure, s, status, kernels)
             shown = plots.bundle(self._static_figure, status)
+            for handle in self._handles:
+                handle.update(shown, raw=True)
+
+    def show_status(self, text: str) -> None:
+        """Show ``text`` as the status line now, the plots unchanged (a step compiling).
+
+        The live view's status line changes; a plain figure is sent again with ``text``
+        as its title.
+        """
+        if self.status_widget is not None:
+            self.status_widget.value = _status_html(text)
+        if self._handles:
+            self._static_figure.layout.title.text = plots.wrap(text)
+            shown = plots.bundle(self._static_figure, text)
             for handle in self._handles:
                 handle.update(shown, raw=True)
 
@@ -117,9 +136,13 @@ class MonitorView:
             import ipywidgets
             import plotly.graph_objects as go
 
-            self.figure_widget = go.FigureWidget(self.figure())
-            self.status_widget = ipywidgets.HTML(value=f"<code>{self._status()}</code>")
-            self._box = ipywidgets.VBox([self.status_widget, self.figure_widget])
+            s, kernels = self._series(), self._kernels()
+            self.figure_widget = go.FigureWidget(plots.figure(s, "", kernels))
+            self.figure_widget._config = plots.CONFIG
+            self.status_widget = ipywidgets.HTML(value=_status_html(self._status()),
+                                                 layout=ipywidgets.Layout(width="100%"))
+            self._box = ipywidgets.VBox([self.status_widget, self.figure_widget],
+                                        layout=ipywidgets.Layout(width="100%"))
         except Exception as e:  # ImportError, or anywidget/ipywidgets failing to start
             logger.info("ortlab monitor: no FigureWidget (%s); drawing a plain figure updated in place", e)
             self.figure_widget = self.status_widget = self._box = None
@@ -128,7 +151,12 @@ class MonitorView:
         return self._box
 
     def _time_redraw(self) -> None:
-        """Redraw once to learn what a redraw costs in this front end (the budget's estimate)."""
+        """Redraw to learn what a redraw costs in this front end (the budget's estimate).
+
+        The first sets every property of the new figure; a redraw while training sets the
+        growing lines only (``_monitor_figure.update_traces``): the second is timed.
+        """
+        self.redraw()
         start = time.perf_counter()
         self.redraw()
         self._timed(time.perf_counter() - start)
@@ -157,7 +185,9 @@ class MonitorView:
                 shell.events.register("post_run_cell", self._cell_callback)
 
     def _after_cell(self, *args: Any) -> None:
-        """When a cell ends, draw what the budget held back."""
+        """When a cell ends: the step in progress ends too (the monitor's ``cell_ended``); draw what the
+        budget held back."""
+        self._cell_ended()
         if self._steps() != self._drawn:
             self.refresh()
 
@@ -182,3 +212,11 @@ class MonitorView:
             return self.figure().to_html(full_html=False, include_plotlyjs="cdn")
         except ImportError:
             return f"<pre>{self._status()}</pre>"
+
+
+def _status_html(text: str) -> str:
+    """The status line as the live view's HTML: wrapped at its separators, never cut."""
+    import html
+
+    return ('<div class="ortlab-monitor-status" style="font-family: var(--jp-code-font-family, monospace); '
+            f'font-size: 12px; white-space: normal; overflow-wrap: anywhere">{html.escape(text)}</div>')

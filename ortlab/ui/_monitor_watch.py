@@ -2,8 +2,9 @@
 
 Each training-mode forward call (grad enabled, not while compiling) starts a step in the
 monitor's :class:`~ortlab.ui._monitor_data.StepLog`; a scalar floating output is taken
-as the step's loss. When the steps started reach the schedule's ``next_check``, the
-:class:`~ortlab.ui._monitor_schedule.Schedule` does its work at that boundary first.
+as the step's loss. When the steps started reach the schedule's ``next_check``, or the
+clock its ``due``, the :class:`~ortlab.ui._monitor_schedule.Schedule` does its work at
+that boundary first.
 
 Note [Watching the forward]
 Each step costs the monitor a timestamp, two list appends, a counter check and
@@ -43,11 +44,13 @@ class StepWatcher:
         module: the watched ``ORTModule`` or ``nn.Module``.
         active: whether calls are recorded (a watcher another tool stacked on top of
             ours may keep ours installed after :meth:`stop`; it then does nothing).
+        calling: whether a watched call is running (its step has not run its forward yet).
     """
 
     def __init__(self, module: Any, log: StepLog, schedule: Schedule) -> None:
         self.module, self._log, self._schedule = module, log, schedule
         self.active = False
+        self.calling = False
         self._unwatch: Callable[[], None] | None = None
 
     def start(self) -> None:
@@ -66,7 +69,7 @@ class StepWatcher:
 
         def started(args: tuple, kwargs: dict) -> None:
             now = perf()
-            if len(starts) >= schedule.next_check:
+            if len(starts) >= schedule.next_check or now >= schedule.due:
                 now = schedule.check(now)
             starts.append(now)
             batches.append(samples_in(args, kwargs))
@@ -80,7 +83,11 @@ class StepWatcher:
                 if not watched():
                     return call(args, kwargs)
                 started(args, kwargs)
-                out = call(args, kwargs)
+                watcher.calling = True
+                try:
+                    out = call(args, kwargs)
+                finally:
+                    watcher.calling = False
                 ended(out)
                 return out
 
@@ -96,8 +103,10 @@ class StepWatcher:
             def pre_hook(_: Any, args: tuple, kwargs: dict) -> None:
                 if watched():
                     started(args, kwargs)
+                    watcher.calling = True
 
             def hook(_: Any, args: tuple, kwargs: dict, out: Any) -> None:
+                watcher.calling = False
                 if watched():
                     ended(out)
 

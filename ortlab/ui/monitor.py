@@ -1,9 +1,10 @@
 """Live training monitor: loss, step time, throughput, memory and kernel time in a notebook.
 
 ``monitor(om)`` watches an ORTModule, so the training loop stays an ordinary loop;
-every ``every`` steps it redraws a plotly FigureWidget in one ``batch_update`` (or,
-where widgets do not render, a plain figure updated in place). The same data can be
-saved to JSON and plotted afterwards with ``Monitor.load(path).figure()``.
+about once a second it redraws a plotly FigureWidget in one ``batch_update`` (or,
+where widgets do not render, a plain figure updated in place), and while a step
+compiles for onnxruntime its status line follows the engine's stages. The same data
+can be saved to JSON and plotted afterwards with ``Monitor.load(path).figure()``.
 
 :class:`Monitor` puts together one part per job, each beside it in ``ortlab.ui``:
 
@@ -11,7 +12,18 @@ saved to JSON and plotted afterwards with ``Monitor.load(path).figure()``.
 * ``_monitor_watch``: the module's calls as steps (Note [Watching the forward]);
 * ``_monitor_schedule``: the work at step boundaries, memory readings and profile
   windows, within the budget (Note [Staying within the overhead budget]);
-* ``_monitor_view`` and ``_monitor_figure``: the live view, the figures, the notebook hooks.
+* ``_monitor_view`` and ``_monitor_figure``: the live view, the figures, the notebook hooks;
+* ``_monitor_status``: the status line, the kernel panels' note, the compile's progress
+  (Note [Showing the first step as it compiles]).
+
+Note [Counting steps]
+With ``auto=True`` a step starts at a training-mode forward call and ends when the
+next one starts: the last step of a loop has no end until then. The count shown is
+the steps whose forward call returned (the loop is past them; while the monitor
+draws at a boundary, the step that just ended counts, the next has not begun), so
+after a loop of 60 steps it reads "step 60". The last step's time is known once it
+ends: at the next forward, at the end of the notebook cell (the time between cells is
+not training), at :meth:`Monitor.detach` or :meth:`Monitor.close`.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ from ortlab.inspect.profile_window import collect_profile
 from ortlab.ui import _monitor_figure as plots
 from ortlab.ui._monitor_data import FORMAT, MAX_FILE_BYTES, StepLog, scalar
 from ortlab.ui._monitor_schedule import Schedule
+from ortlab.ui._monitor_status import StageProgress, kernel_note, providers_note, status_line, waiting_line
 from ortlab.ui._monitor_view import MonitorView
 from ortlab.ui._monitor_watch import StepWatcher
 
@@ -50,15 +63,17 @@ class Monitor:
     docstring).
 
     Attributes:
-        every: steps between redraws and memory readings, at least (see
+        every: steps between memory readings and profile windows, at least (see
             Note [Staying within the overhead budget] in ``ortlab.ui._monitor_schedule``).
+        redraw_s: seconds between redraws, about (Note [Redrawing by the clock]).
         budget: the fraction of training time the monitor may spend.
         profiles: one entry per profile window: ``{"step", "steps", "nodes"}``,
             ``nodes`` a list of :class:`~ortlab.inspect.profile.NodeTime`.
         monitor_s: seconds the monitor spent while training.
     """
 
-    every = _setting("_schedule", "every", "Steps between redraws and memory readings, at least.")
+    every = _setting("_schedule", "every", "Steps between memory readings and profile windows, at least.")
+    redraw_s = _setting("_schedule", "redraw_s", "Seconds between redraws, about.")
     budget = _setting("_schedule", "budget", "The fraction of training time the monitor may spend, or None.")
     profile_steps = _setting("_schedule", "profile_steps", "Steps per profile window.")
     monitor_s = _setting("_schedule", "monitor_s", "Seconds the monitor spent while training.")
@@ -80,6 +95,7 @@ class Monitor:
         max_points: int = 1000,
         top: int = 10,
         module_depth: int | None = None,
+        redraw_s: float = 1.0,
     ) -> None:
         if every < 1:
             raise ConfigError(f"every={every} must be a positive number of steps.")
@@ -87,6 +103,8 @@ class Monitor:
             raise ConfigError(f"mode={mode!r} is not valid; choose 'auto', 'widget' or 'static'.")
         if budget is not None and not 0 < budget < 1:
             raise ConfigError(f"budget={budget} must be a fraction between 0 and 1 (e.g. 0.015), or None for no limit.")
+        if not redraw_s > 0:
+            raise ConfigError(f"redraw_s={redraw_s} must be a positive number of seconds (e.g. 1.0).")
         self.ortmodule, self.auto = ortmodule, auto
         self._log = StepLog()  # what was recorded; the rest of the state is the watching
         self._pending: dict[str, Any] = {}
@@ -97,14 +115,25 @@ class Monitor:
         if self._collect_at_close:
             logger.info("ortlab monitor: the module profiles every step (profile=True); kernel panels fill at close()")
         self._view = MonitorView(self._log, lambda: self.steps, self.status, mode=mode, max_points=max_points,
-                                 top=top, module_depth=module_depth, timed=self._redraw_timed)
+                                 top=top, module_depth=module_depth, timed=self._redraw_timed,
+                                 kernels=self._kernel_note, cell_ended=self._cell_ended)
         # A plain nn.Module can be watched too (an eager baseline): no kernel profile then.
+        why_not = None
+        if ortmodule is None:
+            why_not = "none recorded"
+        elif not profile:
+            why_not = "not sampled (monitor(..., profile=False))"
+        elif ortmodule is not None and not hasattr(ortmodule, "report"):
+            why_not = "none: a plain nn.Module runs no onnxruntime kernels"
+        elif self._collect_at_close:
+            why_not = "the module profiles every step (ORTModule(profile=True)); the panels fill at mon.close()"
         self._schedule = Schedule(
             ortmodule, self._log, lambda: self.steps, every=every, budget=budget, profile_steps=profile_steps,
-            profiling=profile and hasattr(ortmodule, "report") and not self._collect_at_close,
-            redraw=self._view.redraw, can_redraw=self._view.has_view,
+            profiling=why_not is None and ortmodule is not None, redraw=self._view.redraw,
+            can_redraw=self._view.has_view, redraw_s=redraw_s, why_not=why_not,
         )
         self._watcher = StepWatcher(ortmodule, self._log, self._schedule) if ortmodule is not None else None
+        self._progress: StageProgress | None = None
 
     def _redraw_timed(self, seconds: float) -> None:
         self._schedule.cost["redraw"] = seconds  # the budget's first estimate of a redraw
@@ -129,38 +158,71 @@ class Monitor:
         self._attached = True
         self._attach_len = len(self._log.start)
         self._schedule.restart()  # the first check only starts the clock
+        self._follow_stages()
         if not self.auto:
             self._open_step(time.perf_counter(), None)
             return self
         self._watcher.start()
         return self
 
+    def _follow_stages(self) -> None:
+        """Show the engine's stages in the status line while a step compiles (Note [Showing the first
+        step as it compiles] in ``ortlab.ui._monitor_status``)."""
+        if self._progress is not None:
+            self._progress.active = True
+            return
+        if not hasattr(self.ortmodule, "add_stage_sink"):
+            return
+        log = self._log
+        self._progress = StageProgress(self._view.show_status, lambda: len(log.start),
+                                       lambda: log.start[-1] if log.start else None,
+                                       lambda: providers_note(self.ortmodule))
+        self.ortmodule.add_stage_sink(self._progress)  # the module keeps it; detach() turns it off
+
     def detach(self) -> None:
-        """Stop watching; the recorded steps stay, the step in progress is dropped."""
+        """Stop watching; the recorded steps stay.
+
+        With ``auto=True`` the step in progress ends now (its forward ran); with
+        ``auto=False`` the step opened by the last ``mon.step()`` has not run and is dropped.
+        """
         if not self._attached:
             return
         if self._watcher is not None:
             self._watcher.stop()
+        if self._progress is not None:
+            self._progress.active = False
         if self._is_open():
-            self._log.drop_last()
+            if self.auto:
+                self._log.end[len(self._log.start) - 1] = time.perf_counter()
+            else:
+                self._log.drop_last()
         self._attached = False
         self._schedule.stop_profiling()
         self._schedule.finish_timeline()
+
+    def _cell_ended(self) -> None:
+        """A notebook cell ended: so did the step in progress (Note [Counting steps]); the clock stops."""
+        if not (self._attached and self.auto):
+            return
+        now = time.perf_counter()
+        if self._is_open():
+            self._log.end[len(self._log.start) - 1] = now
+        self._schedule.pause(now)
 
     def close(self) -> None:
         """Stop watching, read a ``profile=True`` module's profile, and draw the final state.
 
         With ``auto=True`` the step in progress ends now (call ``close`` right after
         the training loop, or use ``with monitor(om) as mon:``); with ``auto=False``
-        the step opened by the last ``mon.step()`` has not run and is dropped.
+        the step opened by the last ``mon.step()`` has not run and is dropped. The
+        profile of a ``profile=True`` module leaves out each session's first run (the
+        first step's: cold caches, memory being allocated).
         """
-        if self.auto and self._is_open():
-            self._log.end[len(self._log.start) - 1] = time.perf_counter()
         self.detach()
         if self._collect_at_close and self.ortmodule is not None:
-            nodes = collect_profile(self.ortmodule, remove_files=True)
-            if nodes:
-                self._log.profiles.append({"step": 1, "steps": max(self.steps, 1), "nodes": nodes})
+            nodes = collect_profile(self.ortmodule, remove_files=True, skip_runs=1)
+            if nodes and self.steps > 1:
+                self._log.profiles.append({"step": 2, "steps": self.steps - 1, "nodes": nodes})
         self.refresh()
         self._view.close()
 
@@ -186,11 +248,11 @@ class Monitor:
         if loss is not None:
             metrics["loss"] = loss
         self.log(**metrics)
-        if self._is_open() and batch_size is not None:
+        if self._current() is not None and batch_size is not None:
             self._log.batch[-1] = int(batch_size)
         if not self.auto and self._attached:
             now = time.perf_counter()
-            if len(self._log.start) >= self._schedule.next_check:
+            if len(self._log.start) >= self._schedule.next_check or now >= self._schedule.due:
                 now = self._schedule.check(now)
             self._open_step(now, None)
 
@@ -201,12 +263,12 @@ class Monitor:
             >>> loss = loss_fn(om(x), y)                         # doctest: +SKIP
             >>> mon.log(loss=loss, lr=sched.get_last_lr()[0])    # doctest: +SKIP
         """
-        if not self._is_open():
+        index = self._current()
+        if index is None:
             self._pending.update(values)  # attached to the next step that logs
             return
         if self._pending:
             values, self._pending = {**self._pending, **values}, {}
-        index = len(self._log.start) - 1
         for key, value in values.items():
             column = self._log.loss if key == "loss" else self._log.extra.setdefault(key, {})
             column[index] = scalar(value)
@@ -216,9 +278,16 @@ class Monitor:
         self._log.batch.append(batch)
 
     def _is_open(self) -> bool:
-        """Whether the last recorded step is still running."""
+        """Whether the last recorded step has no end yet."""
         n = len(self._log.start)
         return self._attached and n > self._attach_len and (n - 1) not in self._log.end
+
+    def _current(self) -> int | None:
+        """The step values logged now belong to: the last one started (``auto=True``), or the open one."""
+        n = len(self._log.start)
+        if self.auto:
+            return n - 1 if self._attached and n > self._attach_len else None
+        return n - 1 if self._is_open() else None
 
     def profile_now(self) -> None:
         """Profile the kernels for ``profile_steps`` steps from the next step, whatever the budget.
@@ -285,8 +354,12 @@ class Monitor:
     # -------------------------------------------------------------------------- data
     @property
     def steps(self) -> int:
-        """Finished steps."""
-        return len(self._log.start) - (1 if self._is_open() else 0)
+        """Steps run: with ``auto=True`` those whose forward call returned (Note [Counting steps]),
+        with ``auto=False`` those ended by ``mon.step()``."""
+        n = len(self._log.start)
+        if self._is_open() and (not self.auto or (self._watcher is not None and self._watcher.calling)):
+            return n - 1
+        return n
 
     @property
     def profiles(self) -> list[dict[str, Any]]:
@@ -297,7 +370,8 @@ class Monitor:
     def data(self) -> list[dict[str, Any]]:
         """One dict per finished step.
 
-        Keys: ``step`` (from 1), ``time_s`` (since the monitor was made), ``step_s``,
+        Keys: ``step`` (from 1), ``time_s`` (since the monitor was made), ``step_s``
+        (NaN for a last step that has not ended, see Note [Counting steps]),
         ``batch``, ``samples_per_s``, ``loss``, ``profiled`` (the profiler was on),
         values given to :meth:`log`, and every ``every`` steps ``rss_bytes``,
         ``saved_bytes`` (and ``cuda_*_bytes`` on a GPU).
@@ -357,8 +431,20 @@ class Monitor:
 
     # ----------------------------------------------------------------------- drawing
     def status(self) -> str:
-        """One line: step, step time, samples/s, loss, the monitor's overhead."""
-        return plots.status_line(self._log, self.steps, self.overhead["fraction"], self._schedule.profiling)
+        """One line: steps run, step time, samples/s, loss, the first step, the monitor's overhead, the kernels.
+
+        While the first step compiles: which of the engine's stages is done and what runs next.
+        """
+        n = self.steps
+        if n == 0 and self._progress is not None and self._progress.text:
+            return self._progress.text
+        if n == 0:
+            return waiting_line(len(self._log.start))
+        return status_line(self._log, n, self.overhead["fraction"], self._kernel_note())
+
+    def _kernel_note(self) -> str:
+        schedule = self._schedule
+        return kernel_note(self._log, schedule.why_not, schedule.window(), schedule.next_window())
 
     def figure(self) -> Any:
         """A plain plotly Figure of everything recorded (after training, or from a file).
@@ -421,31 +507,36 @@ def monitor(
     max_points: int = 1000,
     top: int = 10,
     module_depth: int | None = None,
+    redraw_s: float = 1.0,
 ) -> Monitor:
     """Watch an ORTModule train: live loss, step time, samples/s, memory and kernel time.
 
     Each training-mode forward call of the module starts a step (calls under
     ``torch.no_grad()`` or in eval mode are not steps). A scalar output is taken as
-    the loss; otherwise call ``mon.log(loss=loss)``. Every ``every`` steps, within
-    the overhead ``budget``, the plots are redrawn; kernel times come from
-    onnxruntime's profiler, switched on ``profile_steps`` steps at a time.
+    the loss; otherwise call ``mon.log(loss=loss)``. About every ``redraw_s``
+    seconds, within the overhead ``budget``, the plots are redrawn; while a step
+    compiles (the first: capture, export, sessions) the status line follows the
+    engine's stages; kernel times come from onnxruntime's profiler, switched on
+    ``profile_steps`` steps at a time.
 
     Args:
         ortmodule: the ``ortlab.ORTModule`` being trained (a plain ``nn.Module``
             works too, as an eager baseline, without kernel profiles).
-        every: steps between redraws and memory readings, at least.
+        every: steps between memory readings and profile windows, at least.
         auto: watch the module's forward calls; ``False`` to end each step with
             ``mon.step(loss, batch_size=...)``.
         profile: sample onnxruntime's per-kernel profile in windows.
         profile_steps: steps per profile window (one more runs to warm it up).
         budget: the fraction of training time the monitor may spend (0.015 = 1.5%);
-            ``None``: no limit, redraw and profile exactly every ``every`` steps.
+            ``None``: no limit, redraw every ``redraw_s`` and profile every ``every`` steps.
         mode: ``"widget"`` (plotly FigureWidget), ``"static"`` (a plain figure
             re-drawn in place, for front ends without widgets) or ``"auto"``.
         show: display now; by default when running in a Jupyter kernel.
         max_points: points per line (longer runs are bucket-averaged).
         top: bars per kernel-time panel.
         module_depth: cut module paths to this many parts (``blocks.0``).
+        redraw_s: seconds between redraws, about (Note [Redrawing by the clock] in
+            ``ortlab.ui._monitor_schedule``).
 
     Returns:
         the attached :class:`Monitor`; ``mon.close()`` (or ``with monitor(om):``)
@@ -460,7 +551,7 @@ def monitor(
         >>> mon.save("run.json")                          # doctest: +SKIP
     """
     mon = Monitor(ortmodule, every, auto=auto, profile=profile, profile_steps=profile_steps, budget=budget,
-                  mode=mode, max_points=max_points, top=top, module_depth=module_depth).attach()
+                  mode=mode, max_points=max_points, top=top, module_depth=module_depth, redraw_s=redraw_s).attach()
     if show or (show is None and plots.in_kernel() is not None):
         mon.show()
     return mon

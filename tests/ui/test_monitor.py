@@ -6,8 +6,10 @@ import copy
 import json
 import math
 import pickle
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,11 +62,19 @@ def _widget_trace(mon: Monitor, name: str):
     return next(t for t in mon._figure_widget.data if t.name == name)
 
 
+def _bar_labels(fig, trace) -> list[str]:
+    """The labels a bar chart shows: its y axis's tick texts (the bars sit at 0, 1, 2...)."""
+    axis = fig.layout[f"yaxis{trace.yaxis[1:]}"]
+    return [axis.ticktext[int(i)] for i in trace.y]
+
+
 def test_records_each_step_with_the_scalar_output_as_loss():
     om = ortlab.ORTModule(LossMLP())
     mon = monitor(om, every=5, show=False, profile=False)
     losses = _train(om, 12)
-    assert mon.steps == 11  # the 12th step is still running
+    assert mon.steps == 12  # the loop ran 12 steps (Note [Counting steps])
+    assert math.isnan(mon.data[-1]["step_s"]), "the 12th step ends at the next forward, or at close()"
+    assert "step 12 |" in mon.status()
     mon.close()
     data = mon.data
     assert [row["step"] for row in data] == list(range(1, 13))
@@ -114,33 +124,54 @@ def test_explicit_steps():
     assert data[0]["step_s"] == max(row["step_s"] for row in data), "the first step captures"
 
 
-def test_redraws_every_n_steps_in_one_batch_update(monkeypatch):
-    om = ortlab.ORTModule(TinyMLP())
-    mon = monitor(om, every=10, show=False, profile=False, budget=None)
+def test_redraws_by_the_clock_in_one_batch_update(monkeypatch):
+    """Redraws come every redraw_s of wall time, whatever ``every``; the first when the capture step ends."""
+    om = ortlab.ORTModule(LossMLP())
+    mon = monitor(om, every=1000, show=False, profile=False, budget=None, redraw_s=0.1)
     assert mon.widget() is not None
     fw = mon._figure_widget
-    batches = []
+    redraws = []  # (when, steps run, steps started, status shown) at each outermost batch_update
     original = type(fw).batch_update
 
     def counting(self):
-        batches.append(mon.steps)
+        if not self._in_batch_mode:
+            redraws.append((time.perf_counter(), mon.steps, len(mon._log.start)))
         return original(self)
 
     monkeypatch.setattr(type(fw), "batch_update", counting)
-    _train(om, 11, mon)
-    assert batches == [] and len(_widget_trace(mon, "step").x) == 0
-    _train(om, 1, mon)  # the 12th forward ends step 11 (the first check only starts the clock)
-    assert batches == [11]
-    assert list(_widget_trace(mon, "step").x) == list(range(1, 12))
-    assert len(_widget_trace(mon, "loss").y) == 11
-    assert _widget_trace(mon, "process RSS").visible
-    _train(om, 9, mon)
-    assert batches == [11], "no redraw between checkpoints"
-    _train(om, 1, mon)
-    assert batches == [11, 21]
-    assert len(_widget_trace(mon, "samples/s").y) == 21
-    assert "step 21" in mon._status.value and "step 21" in fw.layout.title.text
+    x, y = _batch()
+    for _ in range(25):
+        om(x, y).backward()
+        time.sleep(0.02)  # a 20 ms step
+    assert redraws[0][1] == 1, "the first step (capture and export) is drawn as soon as it ends"
+    later = [when for when, *_ in redraws[1:]]
+    assert 2 <= len(later) <= 6, redraws  # ~0.5 s of steps after the first
+    assert all(b - a >= 0.1 for a, b in zip([redraws[0][0], *later], later)), "at most one redraw per redraw_s"
+    assert all(run == started for _, run, started in redraws), "the count drawn is every step started"
+    assert list(_widget_trace(mon, "loss").x) == list(range(1, redraws[-1][1] + 1))
+    assert f"step {redraws[-1][1]} |" in mon._status.value
+    assert _widget_trace(mon, "process RSS").visible is not None
+    assert mon._schedule.redraws == len(redraws)
     mon.close()
+    assert "step 25 |" in mon._status.value
+
+
+def test_the_count_shown_is_the_steps_run():
+    """After a loop of n steps the status reads step n; a cell's end ends the last step; detach keeps it."""
+    om = ortlab.ORTModule(LossMLP())
+    mon = monitor(om, every=5, show=False, profile=False)
+    _train(om, 10)
+    assert mon.steps == 10 and mon.status().startswith("step 10 |")
+    assert math.isnan(mon.data[-1]["step_s"])
+    mon._view._after_cell()  # what IPython's post_run_cell does when the cell with the loop ends
+    time.sleep(0.2)  # the user reads the plot: not training
+    assert 0 < mon.data[-1]["step_s"] < 0.2 and mon.steps == 10
+    _train(om, 3)
+    assert mon.steps == 13 and mon.data[9]["step_s"] < 0.2, "the time between cells is not a step"
+    mon.detach()  # the step in progress ends, it is not dropped
+    assert mon.steps == 13 and mon.data[-1]["step_s"] > 0
+    _train(om, 2)
+    assert mon.steps == 13
 
 
 def test_profile_windows_fill_the_kernel_panels():
@@ -160,9 +191,143 @@ def test_profile_windows_fill_the_kernel_panels():
     top = next(t for t in mon._figure_widget.data if t.type == "bar")
     assert len(top.y) == min(10, len(mon.profiles[-1]["nodes"])) and all(v > 0 for v in top.x)
     bars = [t for t in mon._figure_widget.data if t.type == "bar"]
-    assert set(bars[2].y) <= {"net.0", "net.1", "net.2"}
-    assert len(_widget_trace(mon, "onnxruntime kernels / step").x) == len(mon.profiles)
+    assert set(_bar_labels(mon._figure_widget, bars[2])) <= {"net.0", "net.1", "net.2"}
+    assert len(_widget_trace(mon, "kernel time (onnxruntime)").x) == len(mon.profiles)
     assert len(om.report.captures) == 1, "profiling does not re-capture"
+
+
+def test_the_first_step_shows_the_engines_stages_as_they_come():
+    om = ortlab.ORTModule(LossMLP())
+    mon = monitor(om, show=False, profile=False, redraw_s=0.05)  # the capture takes longer: drawn when it ends
+    mon.widget()
+    seen: list[str] = []
+    mon._status.observe(lambda change: seen.append(change["new"]), "value")
+    x, y = _batch()
+    om(x, y).backward()
+    assert seen, "the status line changed while the first step compiled"
+    assert all("step 1 compiling for onnxruntime" in text for text in seen), seen
+    order = ["Dynamo captured the graph", "joint forward + backward graph traced", "g0.forward: forward graph split",
+             "g0.forward: exported to ONNX", "g0.forward: optimized by onnxscript", "building its onnxruntime session",
+             "g0.backward: exported to ONNX"]
+    found = [next((i for i, text in enumerate(seen) if phrase in text), None) for phrase in order]
+    assert None not in found and found == sorted(found), (found, seen)
+    assert "s so far" in seen[-1]
+    assert mon.steps == 1 and mon.status().startswith("step 1 |")
+    om(x, y).backward()  # step 1 ends: the figure shows it at once
+    assert "first step (capture + export)" in mon._status.value and mon.steps == 2
+    progress = mon._progress
+    # Only stages the engine makes anyway: no file for "execution", no session per onnxruntime level.
+    assert not progress.wants("execution") and not progress.wants("ort_basic") and progress.wants("exported")
+    mon.close()
+    assert not progress.wants("exported"), "a detached monitor follows no stages"
+
+
+def _profile(nodes: int = 12) -> list:
+    from ortlab.inspect.profile import NodeTime
+
+    return [NodeTime(node=f"node_{i}_" + "x" * 40, op_type="FusedMatMul", dur_us=100.0 * (nodes - i), count=2,
+                     graph="g0.backward", module=f"transformer.blocks.{i}.attention.query_key_value",
+                     fx_node=f"mm_{i}", op="aten.mm", source=f"models.py:{i} in forward")
+            for i in range(nodes)]
+
+
+def _log(steps: int = 30) -> StepLog:
+    """A recorded run: a 9.6 s first step, then 20 ms steps; memory every 5 steps; one profile."""
+    log = StepLog()
+    t = 0.0
+    for i in range(steps):
+        log.start.append(t)
+        log.batch.append(8)
+        log.loss[i] = 5.0 - 0.1 * i
+        t += 9.6 if i == 0 else 0.02
+        if i % 5 == 4:
+            log.memory.append({"step": i + 1, "rss_bytes": 570 * 2**20 + i, "saved_bytes": 10 * 2**20})
+    log.end[steps - 1] = t
+    log.windows.append((10, 14))
+    log.profiles.append({"step": 12, "steps": 3, "nodes": _profile()})
+    return log
+
+
+def test_figure_fills_the_width_with_an_axis_per_scale():
+    from ortlab.ui import _monitor_figure as plots
+
+    s = plots.series(_log(), 30, max_points=1000, top=10, module_depth=None)
+    fig = plots.figure(s, "", "kernels of steps 12-14")
+    layout = fig.layout
+    # Responsive: no width anywhere, plotly sizes it to the output and follows it.
+    assert layout.autosize is True and layout.width is None and layout.height
+    assert plots.CONFIG["responsive"] is True
+    trace = {t.name: t for t in fig.data}
+    # RSS (~570 MiB) and saved activations (~10 MiB) each get a y axis.
+    rss, saved = trace["process RSS"], trace["saved activations"]
+    assert rss.yaxis != saved.yaxis and rss.xaxis == saved.xaxis
+    assert layout[f"yaxis{saved.yaxis[1:]}"].overlaying == rss.yaxis
+    assert min(rss.y) > 500 and max(saved.y) < 11
+    # The first step is a number in the step-time panel, not a point on its axis.
+    step = trace["step"]
+    assert math.isnan(step.y[0]) and max(v for v in step.y if not math.isnan(v)) == pytest.approx(20, rel=1e-6)
+    assert math.isnan(trace["samples/s"].y[0])
+    note = next(a for a in layout.annotations if a.name == "first_step")
+    assert note.text.startswith("first step (capture + export): 9.6 s")
+    assert note.xref == f"{step.xaxis} domain"
+    # Long labels are cut to a fixed width, the full text in the hover.
+    bars = [t for t in fig.data if t.type == "bar"]
+    labels = _bar_labels(fig, bars[0])
+    full = [r.label for r in _profile()[:10]]
+    assert all(len(label) <= plots.LABEL_CHARS["top_ops"] for label in labels)
+    assert any("…" in label for label in labels) and all(f in h for f, h in zip(full, bars[0].hovertext))
+    assert all(len(label) <= plots.LABEL_CHARS["modules"] for label in _bar_labels(fig, bars[2]))
+    # Bar panels keep room for their labels; no subplot title sits over another.
+    for bar in bars:
+        assert layout[f"xaxis{bar.xaxis[1:]}"].domain[0] >= 0.15
+    titles = [a for a in layout.annotations if a.text in ("loss", "step time (ms)", "memory (MiB)")]
+    assert len({(round(a.x, 3), round(a.y, 3)) for a in titles}) == 3
+    kernels = next(a for a in layout.annotations if a.name == "kernels")
+    assert kernels.text == "kernels of steps 12-14"
+    assert layout.title.text is None  # the live view's status line sits above the figure
+
+
+def test_a_long_status_wraps_in_the_plain_figures_title():
+    from ortlab.ui import _monitor_figure as plots
+
+    log = _log()
+    status = plots_status = ortlab.ui._monitor_status.status_line(log, 30, 0.004, "kernels of steps 12-14")
+    assert status.startswith("step 30 | 20.00 ms/step | 400 samples/s | loss 2.1 | first step (capture + export) 9.6 s")
+    fig = plots.figure(plots.series(log, 30, 1000, 10, None), plots_status, "kernels of steps 12-14")
+    assert "<br>" in fig.layout.title.text and fig.layout.title.text.replace("<br>", " | ") == status
+    assert fig.layout.margin.t >= 80
+
+
+def test_the_kernel_panel_says_when_or_why_not():
+    x, y = _batch()
+    off = monitor(ortlab.ORTModule(TinyMLP()), show=False, profile=False)
+    assert "not sampled (monitor(..., profile=False))" in off._kernel_note()
+    eager = monitor(TinyMLP(), show=False)
+    assert "plain nn.Module" in eager._kernel_note()
+    om = ortlab.ORTModule(TinyMLP(), profile=True)
+    every_step = monitor(om, show=False)
+    assert "fill at mon.close()" in every_step._kernel_note()
+    om2 = ortlab.ORTModule(TinyMLP())
+    sampled = monitor(om2, every=5, show=False)
+    _train(om2, 12, sampled)
+    note = sampled._kernel_note()
+    assert re.fullmatch(r"kernels: profiling window at about step \d+ \(mon.profile_now\(\) for the next step\)",
+                        note), note
+    sampled.profile_now()
+    assert sampled._kernel_note().startswith(f"kernels: profiling window at about step {len(sampled._log.start) + 1}")
+    for mon in (off, eager, every_step, sampled):
+        mon.close()
+
+
+def test_a_profiling_module_leaves_out_the_warm_up_step():
+    om = ortlab.ORTModule(LossMLP(), profile=True)
+    mon = monitor(om, show=False)
+    _train(om, 5)
+    mon.close()
+    (profile,) = mon.profiles
+    assert profile["step"] == 2 and profile["steps"] == 4
+    assert {r.count for r in profile["nodes"]} == {4}, "each kernel of steps 2-5, none of the cold first step"
+    assert "kernels of steps 2-5" in mon.status()
 
 
 def test_profile_now_ignores_the_budget():
@@ -255,19 +420,21 @@ def test_falls_back_to_a_plain_figure_updated_in_place(monkeypatch):
 
     monkeypatch.setattr(IPython.display, "display", fake_display)
     om = ortlab.ORTModule(TinyMLP())
-    mon = monitor(om, every=5, show=True, profile=False, budget=None)
+    mon = monitor(om, every=5, show=True, profile=False, budget=None, redraw_s=0.05)
     assert mon.widget() is None
     assert len(shown) == 1
     bundle, raw = shown[0]
     # A raw mime bundle, not the Figure: a Figure's own display ignores display_id.
     assert raw and "text/html" in bundle and "waiting for the first step" in bundle["text/plain"]
-    assert len(updates) == 1  # show() times one redraw: the budget's first estimate
+    assert len(updates) == 2  # show() draws, then times a redraw: the budget's first estimate
     _train(om, 7, mon)
-    assert len(updates) == 2
-    bundle, kwargs = updates[1]
-    assert kwargs == {"raw": True} and bundle["text/plain"].startswith("step 6 |")
+    texts = [u[0]["text/plain"] for u in updates[2:]]
+    assert all(kwargs == {"raw": True} for _, kwargs in updates)
+    compiling = [t for t in texts if "compiling for onnxruntime" in t]
+    assert any("exported to ONNX" in t for t in compiling), texts  # the stages, live
+    assert "step 1 |" in texts[len(compiling)], texts  # then the first step, drawn as it ends
     mon.close()
-    assert len(updates) == 3 and updates[2][0]["text/plain"].startswith("step 7 |")
+    assert updates[-1][0]["text/plain"].startswith("step 7 |")
 
 
 def test_front_ends_without_widgets_get_the_plain_figure(monkeypatch):
