@@ -47,10 +47,11 @@ _LABEL_SHARE = {"top_ops": 0.30, "op_types": 0.15, "modules": 0.15}
 _CELLS = {"loss": (1, 1), "step_ms": (1, 2), "profiled_step_ms": (1, 2), "kernel_ms": (1, 2),
           "samples_per_s": (2, 1), "rss": (2, 2), "cuda_used": (2, 2), "cuda_allocated": (2, 2), "saved": (2, 2),
           "top_ops": (3, 1), "op_types": (4, 1), "modules": (4, 2)}
-_NAMES = {"loss": "loss", "step_ms": "step", "profiled_step_ms": "profiled step",
-          "kernel_ms": "kernel time (onnxruntime)", "samples_per_s": "samples/s", "rss": "process RSS",
-          "saved": "saved activations", "cuda_used": "CUDA used (device)",
-          "cuda_allocated": "CUDA allocated (torch)"}
+# Short: a legend fits on one line above its panel (at 1280 px a panel is ~300 px wide).
+_NAMES = {"loss": "loss", "step_ms": "step", "profiled_step_ms": "profiled",
+          "kernel_ms": "kernel time", "samples_per_s": "samples/s", "rss": "RSS",
+          "saved": "saved", "cuda_used": "CUDA used",
+          "cuda_allocated": "CUDA alloc."}
 _COLORS = {"loss": "#636efa", "step_ms": "#636efa", "profiled_step_ms": "#ab63fa", "kernel_ms": "#ff7f0e",
            "samples_per_s": "#19a974", "rss": "#ef553b", "cuda_used": "#b6655d", "cuda_allocated": "#e0a458",
            "saved": "#00a2c7", "top_ops": "#636efa", "op_types": "#ab63fa", "modules": "#19a974"}
@@ -202,14 +203,16 @@ def figure(s: dict[str, tuple], title: str, kernels: str) -> Any:
         heading.update(x=start, xanchor="left")
     for heading, name in zip(titles[:4], ("loss", "step_ms", "samples_per_s", "rss")):
         trace = next(t for t in fig.data if t.name == _NAMES[name])
-        heading.update(x=layout[_axis("x", trace.xaxis)].domain[0], xanchor="left")
+        heading.update(x=layout[_axis("x", trace.xaxis)].domain[0], xanchor="left",
+                       yshift=22)  # room for a legend under it; all alike, so titles of a row align
     step_axis = next(t for t in fig.data if t.name == _NAMES["step_ms"])
     memory_axis = next(t for t in fig.data if t.name == _NAMES["rss"])
     top_axis = next(t for t in fig.data if t.name == "top_ops")
-    for key, trace in (("legend", step_axis), ("legend2", memory_axis)):  # inside its panel, top right
-        layout[key] = {"orientation": "v", "xanchor": "right", "yanchor": "top", "font": {"size": 10},
-                       "x": layout[_axis("x", trace.xaxis)].domain[1] - 0.005,
-                       "y": layout[_axis("y", trace.yaxis)].domain[1] - 0.005, "bgcolor": "rgba(255,255,255,0.7)"}
+    for key, trace in (("legend", step_axis), ("legend2", memory_axis)):  # above its panel, under its title
+        layout[key] = {"orientation": "h", "xanchor": "right", "yanchor": "bottom", "font": {"size": 10},
+                       "x": layout[_axis("x", trace.xaxis)].domain[1],
+                       "y": layout[_axis("y", trace.yaxis)].domain[1] + 0.002, "bgcolor": "rgba(255,255,255,0)",
+                       "itemwidth": 30, "tracegroupgap": 0}
     fig.add_annotation(name="first_step", text=_first_text(s["first_s"][0]), showarrow=False,
                        xref=f"{step_axis.xaxis} domain", yref=f"{step_axis.yaxis} domain", x=0.01, y=0.98,
                        xanchor="left", yanchor="top", font={"size": 11, "color": "#444"},
