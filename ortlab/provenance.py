@@ -90,15 +90,27 @@ def source_name(source: str) -> str:
 def input_names(gm: torch.fx.GraphModule) -> list[str]:
     """Readable names of a Dynamo graph's inputs, in placeholder order (``tok.weight``, ``idx``).
 
-    From the source Dynamo recorded for each placeholder; without one, the placeholder's
-    name less Dynamo's ``l_`` and trailing ``_`` (see Note [Where a graph input comes from]
-    in ``ortlab._compat.torch``).
+    From the source Dynamo recorded for each placeholder; without one (a copy of the graph
+    may not keep it), read back from the placeholder's name, which Dynamo spells from the
+    source (``l_self_modules_ln_f_parameters_weight_``: ``ln_f.weight``; see Note [Where a
+    graph input comes from] in ``ortlab._compat.torch``).
+
+    Example:
+        >>> input_names(dynamo_gm)[:2]     # doctest: +SKIP
+        ['idx', 'tok.weight']
     """
     out = []
     for node in gm.graph.find_nodes(op="placeholder"):
         source = dynamo_input_source(node)
-        out.append(source_name(source) if source else re.sub(r"^[lL]_(.+?)_?$", r"\1", node.name))
+        out.append(source_name(source) if source else _placeholder_name(node.name))
     return out
+
+
+def _placeholder_name(name: str) -> str:
+    """``l_self_modules_blocks_modules_0_modules_ln1_parameters_weight_`` -> ``blocks.0.ln1.weight``."""
+    name = re.sub(r"^[lLgG]_(.+?)_?$", r"\1", name)
+    name = re.sub(r"^self_(?=modules_|parameters_|buffers_)", "_", name)
+    return re.sub(r"_(?:modules|parameters|buffers)_", ".", name).strip(".") or name
 
 
 def name_inputs(gm: torch.fx.GraphModule, names: list[str]) -> int:

@@ -36,6 +36,16 @@ OFF_MESSAGE = ("Graph view: its netron server is not running (the kernel that op
                "Re-run this cell to open the graph.")
 _SHIELD_TITLE = "Click to zoom and pan the graph; until then the mouse wheel scrolls the notebook"
 
+# Scroll the notebook just enough that the view ``c`` is in sight: its bottom in view, its top
+# never closer than 48 px to the top (the button or table above it stays readable). The
+# notebook's scroller is the nearest scrolling ancestor (JupyterLab's, VS Code's or the page).
+_INTO_SIGHT = (
+    "var s=c.parentElement;"
+    "while(s&&!(s.scrollHeight>s.clientHeight&&/auto|scroll/.test(getComputedStyle(s).overflowY))){s=s.parentElement;}"
+    "s=s||document.scrollingElement;var r=c.getBoundingClientRect(),"
+    "v=s===document.scrollingElement?{top:0,bottom:window.innerHeight}:s.getBoundingClientRect();"
+    "s.scrollTop+=r.top<v.top+48?r.top-v.top-48:Math.min(r.top-v.top-48,Math.max(0,r.bottom-v.bottom));"
+)
 # The probe loaded: the server serves this file. Show the frame, load it, bring it into sight if asked.
 _ON_ALIVE = (
     "var c=this.closest('.ortlab-netron');if(!c){return;}"
@@ -43,7 +53,7 @@ _ON_ALIVE = (
     "c.querySelector('.ortlab-netron-off').style.display='none';"
     "c.querySelector('.ortlab-netron-box').style.display='block';"
     "if(!f.getAttribute('src')){f.setAttribute('src',f.getAttribute('data-src'));}"
-    "if(c.getAttribute('data-scroll')){c.scrollIntoView({block:'nearest'});}"
+    "if(c.getAttribute('data-scroll')){" + _INTO_SIGHT + "}"
 )
 # The pointer left the frame: the shield is back, the wheel scrolls the notebook again.
 _ON_LEAVE = "var s=this.querySelector('.ortlab-netron-shield');if(s){s.style.display='flex';}"
@@ -52,7 +62,7 @@ _ON_SHIELD_CLICK = "this.style.display='none';"
 FOCUS_JS = (
     "var f=document.getElementsByName(this.target)[0];"
     "var c=f&&f.closest('.ortlab-netron');if(!c){return true;}"
-    "c.scrollIntoView({block:'nearest'});"
+    + _INTO_SIGHT +
     "return c.querySelector('.ortlab-netron-box').style.display!=='none';"
 )
 
@@ -99,7 +109,7 @@ def frame_html(url: str, frame: str, height: int, header: str = "", scroll: bool
         "click to zoom and pan the graph</span></div>"
     )
     return (
-        f'<div class="ortlab-netron" style="scroll-margin-top:48px"{scrolls}>{top}'
+        f'<div class="ortlab-netron"{scrolls}>{top}'
         '<div class="ortlab-netron-off" style="font:12px sans-serif;color:#57606a;padding:6px 8px;'
         f'border:1px dashed #d0d7de;border-radius:4px">{html.escape(OFF_MESSAGE)}</div>'
         f'<div class="ortlab-netron-box" style="display:none;position:relative;height:{height}px" '

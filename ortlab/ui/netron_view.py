@@ -15,7 +15,9 @@ The work is split by job, and every public name is re-exported here:
   (Note [Why ortlab serves netron itself]);
 * ``ortlab.ui._netron_server``: the HTTP server and the process's shared one;
 * ``ortlab.ui._netron_graphs``: the ONNX side: a node's source, module subgraphs,
-  the node a name means (Note [Large graphs]);
+  the node a name means (Note [Large graphs]), inputs by parameter name (Note [Named graph inputs]);
+* ``ortlab.ui._netron_frame``: the frame in the notebook: the wheel scrolls the notebook
+  until a click, and a saved notebook shows "re-run this cell", never a dead frame;
 * this module: the views and the files they show.
 """
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 
 import onnx
+import pytest
 import torch
+import torch.fx
 
 import ortlab
 from ortlab.models import GPT, GPTConfig, TinyMLP, make_batch
+from ortlab.provenance import input_names, source_name
 from ortlab.ui._module_graphs import graph_files
 from ortlab.ui.netron_view import NetronServer, view_file
 
@@ -69,3 +72,17 @@ def test_netron_shows_a_gpts_inputs_by_parameter_name():
         # A link to an input by its exported name selects the input netron shows.
         first = next(iter(_input_names(files["g0.forward"])))
         assert view_file(files["g0.forward"], node=first, server=server).node == "idx"
+
+
+@pytest.mark.parametrize("source, placeholder, name", [
+    ("L['self']._modules['blocks']._modules['0']._modules['ln1']._parameters['weight']",
+     "l_self_modules_blocks_modules_0_modules_ln1_parameters_weight_", "blocks.0.ln1.weight"),
+    ("L['self']._modules['ln_f']._parameters['bias']", "l_self_modules_ln_f_parameters_bias_", "ln_f.bias"),
+    ("L['self']._buffers['mask']", "l_self_buffers_mask_", "mask"),
+    ("L['idx']", "l_idx_", "idx"),
+])
+def test_inputs_are_named_from_dynamos_source_or_its_placeholder_name(source, placeholder, name):
+    assert source_name(source) == name
+    graph = torch.fx.Graph()
+    graph.output(graph.placeholder(placeholder))  # a graph copy without Dynamo's sources: read back from the name
+    assert input_names(torch.fx.GraphModule(torch.nn.Module(), graph)) == [name]
