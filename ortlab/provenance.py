@@ -25,13 +25,15 @@ from typing import Any
 
 import torch.fx
 
-from ortlab._compat.torch import OpOverload
+from ortlab._compat.torch import OpOverload, aot_input_origin, dynamo_input_source
 
 __all__ = ["module_path", "source_line", "op_name", "node_provenance", "restore_provenance", "onnx_node_of",
-           "onnx_node_index", "PROVENANCE_KEYS"]
+           "onnx_node_index", "PROVENANCE_KEYS", "INPUT_KEY", "source_name", "input_names", "name_inputs"]
 
 # The metadata keys the exporter writes on every ONNX node.
 PROVENANCE_KEYS = ("ortlab.fx_node", "ortlab.op", "ortlab.module", "ortlab.source")
+# The key of a graph input's readable name: on FX placeholders' meta and ONNX graph inputs' metadata.
+INPUT_KEY = "ortlab.input"
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
 
@@ -69,6 +71,67 @@ def op_name(node: torch.fx.Node) -> str:
     return node.op
 
 
+def source_name(source: str) -> str:
+    """A Dynamo source as a user writes it: a parameter's or buffer's dotted name, an input's name.
+
+    Example:
+        >>> source_name("L['self']._modules['blocks']._modules['0']._modules['ln1']._parameters['weight']")
+        'blocks.0.ln1.weight'
+        >>> source_name("L['idx']")
+        'idx'
+    """
+    name = re.sub(r"\._(?:modules|parameters|buffers)\[", "[", source)
+    name = re.sub(r"\[(\d+)\]", r".\1", name)
+    name = re.sub(r"\['([^']+)'\]", r".\1", name)
+    name = re.sub(r"^[LG]\.", "", name)
+    return re.sub(r"^self\.", "", name).strip(".") or source
+
+
+def input_names(gm: torch.fx.GraphModule) -> list[str]:
+    """Readable names of a Dynamo graph's inputs, in placeholder order (``tok.weight``, ``idx``).
+
+    From the source Dynamo recorded for each placeholder; without one (a copy of the graph
+    may not keep it), read back from the placeholder's name, which Dynamo spells from the
+    source (``l_self_modules_ln_f_parameters_weight_``: ``ln_f.weight``; see Note [Where a
+    graph input comes from] in ``ortlab._compat.torch``).
+
+    Example:
+        >>> input_names(dynamo_gm)[:2]     # doctest: +SKIP
+        ['idx', 'tok.weight']
+    """
+    out = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        source = dynamo_input_source(node)
+        out.append(source_name(source) if source else _placeholder_name(node.name))
+    return out
+
+
+def _placeholder_name(name: str) -> str:
+    """``l_self_modules_blocks_modules_0_modules_ln1_parameters_weight_`` -> ``blocks.0.ln1.weight``."""
+    name = re.sub(r"^[lLgG]_(.+?)_?$", r"\1", name)
+    name = re.sub(r"^self_(?=modules_|parameters_|buffers_)", "_", name)
+    return re.sub(r"_(?:modules|parameters|buffers)_", ".", name).strip(".") or name
+
+
+def name_inputs(gm: torch.fx.GraphModule, names: list[str]) -> int:
+    """Record on each placeholder of an AOTAutograd graph the name of what it receives
+    (``meta[INPUT_KEY]``): ``names[i]`` for the Dynamo graph's ``i``-th input, a lifted
+    parameter's or buffer's target as it is. Returns how many were named.
+
+    Example:
+        >>> name_inputs(forward_gm, input_names(dynamo_gm))    # doctest: +SKIP
+        20
+    """
+    count = 0
+    for node in gm.graph.find_nodes(op="placeholder"):
+        origin = aot_input_origin(node)
+        name = names[origin] if isinstance(origin, int) and 0 <= origin < len(names) else origin
+        if isinstance(name, str) and name:
+            node.meta[INPUT_KEY] = name
+            count += 1
+    return count
+
+
 _KERNEL_SUFFIX = "_kernel_time"
 
 
@@ -100,15 +163,26 @@ def _nodes_of(model: Any) -> Iterable[tuple[str, dict[str, str]]]:
     return ((n.name, {p.key: p.value for p in n.metadata_props}) for n in graph.node)  # ModelProto
 
 
+def _inputs_of(model: Any) -> Iterable[tuple[str, str]]:
+    """(name, readable name) of the graph inputs of an onnx_ir Model or ModelProto that carry one."""
+    graph = getattr(model, "graph", None)
+    if graph is None:
+        return []
+    if hasattr(graph, "all_nodes"):  # onnx_ir
+        return ((v.name, v.metadata_props[INPUT_KEY]) for v in graph.inputs if v.metadata_props.get(INPUT_KEY))
+    return ((v.name, p.value) for v in graph.input for p in v.metadata_props if p.key == INPUT_KEY)
+
+
 def node_provenance(model: Any) -> dict[str, dict[str, str]]:
-    """Map each ONNX node name of ``model`` to its ortlab provenance.
+    """Map each ONNX node name of ``model`` to its ortlab provenance, and each named graph input to its name.
 
     Args:
         model: an ``onnx_ir.Model`` (``ExportedGraph.model``) or an ``onnx.ModelProto``.
 
     Returns:
         ``{node name: {"fx_node", "module", "op", "source"}}``; nodes without ortlab
-        metadata map to empty strings.
+        metadata map to empty strings. A graph input that carries ``ortlab.input`` (what
+        it is: ``blocks.0.ln1.weight``) maps to ``{"input": name}``.
 
     Example:
         >>> prov = node_provenance(exported.model)       # doctest: +SKIP
@@ -123,11 +197,13 @@ def node_provenance(model: Any) -> dict[str, dict[str, str]]:
             "op": meta.get("ortlab.op", ""),
             "source": meta.get("ortlab.source", ""),
         }
+    for name, readable in _inputs_of(model):
+        out.setdefault(name, {"input": readable})
     return out
 
 
 def restore_provenance(model: Any, provenance: dict[str, dict[str, str]]) -> Any | None:
-    """A copy of an ``onnx.ModelProto`` whose nodes carry their ``ortlab.*`` metadata again.
+    """A copy of an ``onnx.ModelProto`` whose nodes (and graph inputs) carry their ``ortlab.*`` metadata again.
 
     onnxruntime's optimized models drop node metadata; a node keeps the exported node's
     name (see :func:`onnx_node_of`), so ``provenance`` (a :func:`node_provenance` map,
@@ -138,7 +214,8 @@ def restore_provenance(model: Any, provenance: dict[str, dict[str, str]]) -> Any
     """
     import onnx
 
-    props = {name: [(f"ortlab.{k}", v) for k, v in prov.items() if v] for name, prov in provenance.items()}
+    props = {name: [(f"ortlab.{k}", v) for k, v in prov.items() if v and f"ortlab.{k}" in PROVENANCE_KEYS]
+             for name, prov in provenance.items()}
     out = onnx.ModelProto()
     out.CopyFrom(model)
     added = 0
@@ -148,6 +225,12 @@ def restore_provenance(model: Any, provenance: dict[str, dict[str, str]]) -> Any
         for key, value in props.get(onnx_node_of(node.name), []):
             entry = node.metadata_props.add()
             entry.key, entry.value = key, value
+            added += 1
+    for value_info in out.graph.input:
+        readable = provenance.get(value_info.name, {}).get("input")
+        if readable and not any(p.key == INPUT_KEY for p in value_info.metadata_props):
+            entry = value_info.metadata_props.add()
+            entry.key, entry.value = INPUT_KEY, readable
             added += 1
     return out if added else None
 

@@ -102,7 +102,8 @@ def browser() -> Iterator[Any]:
 
 def _run_all(page: Any, lab: JupyterLab, notebook: str, done: str) -> None:
     """Open ``notebook`` in JupyterLab, Run All Cells, wait until an output contains ``done``."""
-    page.goto(f"{lab.base}/lab/tree/{notebook}?token={lab.token}")
+    # A workspace per notebook: JupyterLab would reopen the notebooks of earlier tests as tabs around it.
+    page.goto(f"{lab.base}/lab/workspaces/{Path(notebook).stem}/tree/{notebook}?token={lab.token}")
     # Wait for a connected, idle kernel before running anything.
     page.wait_for_selector(".jp-Notebook", timeout=120_000)
     page.wait_for_function(
@@ -521,3 +522,141 @@ def test_monitor_is_live_and_fills_the_width(lab, browser):
         page.screenshot(path=str(ARTIFACTS / f"monitor-{width}.png"))
         state = page.evaluate(_MONITOR_STATE)
         assert state["plot"] >= 0.95 * state["output"] - 30 and state["output"] > 0.5 * width, (width, state)
+
+
+# ----------------------------------------------------------------------- netron frames in a notebook
+# A tiny ONNX graph between tall outputs: the notebook scrolls past its view (or does not).
+_FRAME_NOTEBOOK = [
+    'print("\\n".join(f"line {i} above the graph" for i in range(40)))',
+    """import os, tempfile, onnx, onnx.helper as oh
+from ortlab.ui.netron_view import view_file
+folder = tempfile.mkdtemp()
+x, y = (oh.make_tensor_value_info(n, onnx.TensorProto.FLOAT, [2, 3]) for n in "xy")
+graph = oh.make_graph([oh.make_node("Relu", ["x"], ["r"], name="node_relu"), oh.make_node("Neg", ["r"], ["y"], name="node_neg")],
+                      "tiny", [x], [y])
+onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)]), os.path.join(folder, "tiny.onnx"))
+view_file(os.path.join(folder, "tiny.onnx"))""",
+    'print("\\n".join(f"line {i} below the graph" for i in range(40)) + "\\nframe notebook done")',
+]
+
+# The notebook's scroller around the first netron view: its scroll position, the part of the page it shows.
+_SCROLLER = """() => {
+  let e = document.querySelector('.ortlab-netron');
+  while (e && !(e.scrollHeight > e.clientHeight && /auto|scroll/.test(getComputedStyle(e).overflowY))) e = e.parentElement;
+  return e ? {top: e.scrollTop, y: e.getBoundingClientRect().top, bottom: e.getBoundingClientRect().bottom} : null;
+}"""
+_SCROLL_TOP = f"() => (({_SCROLLER})() || {{top: -1}}).top"
+
+
+def _shield_shown(page: Any) -> bool:
+    return page.locator(".ortlab-netron-shield").first.evaluate("e => getComputedStyle(e).display !== 'none'")
+
+
+def _kernel_sessions(lab: JupyterLab, notebook: str) -> list[dict[str, Any]]:
+    with urllib.request.urlopen(f"{lab.base}/api/sessions?token={lab.token}", timeout=10) as r:
+        return [s for s in json.load(r) if s.get("path", "").endswith(notebook)]
+
+
+def test_netron_frame_lets_the_notebook_scroll_and_a_saved_notebook_shows_no_dead_frame(lab, browser):
+    (lab.root / "frame.ipynb").write_text(_notebook(_FRAME_NOTEBOOK))
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    _run_all(page, lab, "frame.ipynb", "frame notebook done")
+    iframe = page.locator(".ortlab-netron iframe").first
+    iframe.wait_for(state="visible", timeout=60_000)  # the server answered: the frame is swapped in
+    assert "127.0.0.1" in (iframe.get_attribute("src") or "")
+    assert not page.locator(".ortlab-netron-off").first.is_visible()
+    page.frame_locator(".ortlab-netron iframe").first.get_by_text("Relu", exact=True).first.wait_for(timeout=60_000)
+    # The pointer over the graph, the wheel scrolls the notebook.
+    iframe.scroll_into_view_if_needed()
+    box = iframe.bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    before = page.evaluate(_SCROLL_TOP)
+    page.mouse.wheel(0, 300)
+    page.wait_for_timeout(800)
+    scrolled = page.evaluate(_SCROLL_TOP)
+    page.screenshot(path=str(ARTIFACTS / "netron-wheel.png"))
+    assert before >= 0 and scrolled > before, (before, scrolled)
+    assert _shield_shown(page)
+    # A click hands the wheel to the graph: the notebook stays where it is.
+    box = iframe.bounding_box()
+    cx = box["x"] + box["width"] / 2
+    cy = (max(box["y"], 150) + min(box["y"] + box["height"], 780)) / 2  # inside the part in sight
+    page.mouse.click(cx, cy)
+    assert not _shield_shown(page)
+    scrolled = page.evaluate(_SCROLL_TOP)
+    page.mouse.wheel(0, 300)
+    page.wait_for_timeout(800)
+    assert page.evaluate(_SCROLL_TOP) == scrolled
+    # The pointer leaves the frame: the shield is back.
+    page.mouse.move(5, box["y"] - 40 if box["y"] > 60 else 5)
+    page.mouse.move(3, 3)
+    assert _shield_shown(page)
+
+    # Save, stop the kernel (and its netron server), reopen the notebook.
+    page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})
+    page.keyboard.press("Control+s")
+    deadline = time.time() + 30
+    while "ortlab-netron" not in (lab.root / "frame.ipynb").read_text() and time.time() < deadline:
+        time.sleep(0.5)
+    assert "ortlab-netron" in (lab.root / "frame.ipynb").read_text(), "the notebook was not saved with its view"
+    for session in _kernel_sessions(lab, "frame.ipynb"):
+        request = urllib.request.Request(f"{lab.base}/api/sessions/{session['id']}?token={lab.token}",
+                                         method="DELETE")
+        urllib.request.urlopen(request, timeout=30)
+    page.reload()
+    page.wait_for_selector(".jp-Notebook", timeout=120_000)
+    message = page.locator(".ortlab-netron-off").first
+    message.wait_for(state="visible", timeout=60_000)
+    page.wait_for_timeout(3000)  # the probe of the dead server fails; nothing is swapped in
+    message.scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "netron-reopened.png"))
+    assert "Re-run this cell to open the graph" in message.inner_text()
+    visible_frames = [f for f in page.locator("iframe").all() if f.is_visible()]
+    assert not visible_frames, [f.get_attribute("src") for f in visible_frames]
+    assert all(not f.get_attribute("src") for f in page.locator(".ortlab-netron iframe").all())
+
+
+_STEPPER_NOTEBOOK = [
+    """import torch, ortlab
+from ortlab.models import GPT, GPTConfig, make_batch
+torch.manual_seed(0)
+config = GPTConfig(vocab=100, d_model=32, n_heads=2, n_layers=1, block_size=16)
+idx, targets = make_batch("gpt", 2, vocab=config.vocab, block_size=config.block_size)
+lab = ortlab.explore(GPT(config), idx, targets)
+lab.run("exported")
+print("stepper ready")""",
+    "lab.widget()",
+]
+
+
+def test_view_graph_opens_under_its_button_with_inputs_named_by_parameter(lab, browser):
+    (lab.root / "stepper.ipynb").write_text(_notebook(_STEPPER_NOTEBOOK))
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    _run_all(page, lab, "stepper.ipynb", "stepper ready")
+    button = page.locator("button", has_text="View graph").first
+    button.wait_for(timeout=120_000)
+    stage = page.locator(".widget-dropdown select").first
+    options = stage.locator("option").evaluate_all("os => os.map(o => o.textContent)")
+    # ipywidgets writes the options' spaces as no-break spaces.
+    stage.select_option(index=next(i for i, t in enumerate(options) if ". exported (" in t.replace("\xa0", " ")))
+    page.wait_for_timeout(500)
+    button.scroll_into_view_if_needed()
+    button.click()
+    iframe = page.locator(".ortlab-netron iframe").first
+    iframe.wait_for(state="visible", timeout=60_000)
+    page.wait_for_timeout(1000)  # the view scrolls itself into sight
+    frame = page.frame_locator(".ortlab-netron iframe").first
+    frame.get_by_text("blocks.0.ln1.weight", exact=True).first.wait_for(timeout=60_000)
+    page.screenshot(path=str(ARTIFACTS / "netron-next-to-button.png"))
+    top, below = button.bounding_box(), page.locator(".ortlab-netron").first.bounding_box()
+    shown = page.evaluate(_SCROLLER)
+    # Right under its button (the stage's tables come after it), scrolled into sight with its button.
+    assert 0 <= below["y"] - (top["y"] + top["height"]) < 60, (top, below)
+    # (at 1280x800 the notebook shows less than the 720 px view: its button stays in sight above it)
+    assert shown["y"] <= top["y"] and below["y"] < shown["y"] + 100, (shown, top, below)
+    # netron shows the graph's inputs by parameter name, not AOTAutograd's primals_N.
+    inputs = frame.get_by_text("blocks.0.ln1.weight", exact=True)
+    inputs.first.wait_for(timeout=60_000)
+    iframe.screenshot(path=str(ARTIFACTS / "netron-inputs.png"))
+    assert frame.get_by_text("tok.weight", exact=True).count() >= 1
+    assert frame.get_by_text("primals_1", exact=True).count() == 0

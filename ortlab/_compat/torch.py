@@ -64,6 +64,8 @@ __all__ = [
     "EXPORTER_LOGGERS",
     "FAKE_TENSOR_LOGGER",
     "tensor_version",
+    "dynamo_input_source",
+    "aot_input_origin",
 ]
 
 # ----------------------------------------------------------------------------------- op types
@@ -119,6 +121,35 @@ def eager_backward_lowering() -> Any:
     import contextlib
 
     return contextlib.nullcontext()
+
+
+# Note [Where a graph input comes from]: netron views name a graph's inputs after the
+# parameter, buffer or user input they are, not AOTAutograd's ``primals_3``. Dynamo keeps
+# each placeholder's source on ``node.meta["grapharg"].source`` (``L['self']._modules['ln1']
+# ._parameters['weight']``; ``.name`` a property since 2.9, a method before), and
+# AOTAutograd (2.9+) describes each placeholder of its joint, forward, backward and
+# inference graphs in ``node.meta["desc"]``: ``PlainAOTInput(idx)``, the Dynamo graph's
+# ``idx``-th input, or ``ParamAOTInput(target)`` / ``BufferAOTInput(target)`` for a module
+# attribute it lifted. Both are private; without them the names stay as they are.
+def dynamo_input_source(node: torch.fx.Node) -> str | None:
+    """The source Dynamo recorded for a placeholder of its graph (``L['idx']``), if any."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    if callable(name):
+        name = name()
+    return name if isinstance(name, str) else None
+
+
+def aot_input_origin(node: torch.fx.Node) -> int | str | None:
+    """What a placeholder of an AOTAutograd graph is: the index of the Dynamo graph's input
+    it receives, or the target of the parameter or buffer AOTAutograd lifted; None if unknown."""
+    desc = node.meta.get("desc")
+    kind = type(desc).__name__
+    if kind == "PlainAOTInput" and isinstance(getattr(desc, "idx", None), int):
+        return desc.idx
+    if kind in ("ParamAOTInput", "BufferAOTInput") and isinstance(getattr(desc, "target", None), str):
+        return desc.target
+    return None
 
 
 # ------------------------------------------------------------------------------ partitioners

@@ -41,7 +41,7 @@ from ortlab._compat.torch import (
 )
 from ortlab.errors import ExportError, first_line
 from ortlab.onnx.guards import IndexGuard, add_index_guards
-from ortlab.provenance import module_path, op_name, source_line
+from ortlab.provenance import INPUT_KEY, module_path, op_name, source_line
 from ortlab.stages import count_ops
 from ortlab.torchlib import get_registry
 
@@ -313,6 +313,10 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
             node.metadata_props["ortlab.op"] = op_name(fx_node)
             node.metadata_props["ortlab.module"] = module_path(fx_node)
             node.metadata_props["ortlab.source"] = source_line(fx_node)
+    named = {n.name: n.meta[INPUT_KEY] for n in placeholders if n.meta.get(INPUT_KEY)}
+    for value in graph.inputs:  # what each input is (blocks.0.ln1.weight): the views show it
+        if value.name in named:
+            value.metadata_props[INPUT_KEY] = named[value.name]
     bypass_output_identities(model)
     add_opset_imports(model)
     # onnxruntime 1.31 reads IR version <= 13 while torch's exporter targets newer ones.

@@ -26,6 +26,7 @@ from ortlab.errors import CaptureError, DeviceError, FallbackError, first_line
 from ortlab.partition.recompute import partition_joint
 from ortlab.pipeline.graph import compile_graph
 from ortlab.pipeline.part import GraphContext
+from ortlab.provenance import input_names, name_inputs
 from ortlab.report import CaptureRecord, Fallback, Report, warn_fallback
 from ortlab.runtime.observe import GraphObserver
 from ortlab.stages import StageArtifact, StageSink, Stages, count_ops, label
@@ -118,8 +119,11 @@ class OrtlabBackend:
         ctx = GraphContext(self.options, self.debug, device, index, stages, self.observer)
         split_s: list[float] = []
 
+        names = input_names(traced)  # the views name graph inputs after them (blocks.0.ln1.weight)
+
         def compiler(name: str, graph_mode: str) -> Callable:
             def compile_(fx: torch.fx.GraphModule, _inputs: Sequence[object]) -> Callable:
+                name_inputs(fx, names)
                 seconds = split_s.pop() if name == "forward" and split_s else 0.0
                 fn, record = compile_graph(fx, name, graph_mode, ctx, split_s=seconds)
                 capture.graphs.append(record)

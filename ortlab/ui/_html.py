@@ -15,7 +15,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-__all__ = ["esc", "badge", "table", "fmt_seconds", "fmt_bytes", "link", "viewer_html", "LINK_STYLE"]
+__all__ = ["esc", "badge", "table", "fmt_seconds", "fmt_bytes", "link", "LINK_STYLE"]
 
 _STATUS = {"done": ("#1a7f37", "done"), "pending": ("#6e7781", "pending"),
            "skipped": ("#9a6700", "skipped"), "failed": ("#cf222e", "failed")}
@@ -65,10 +65,10 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def link(text: str, url: str | None, frame: str) -> str:
+def link(text: str, url: str | None, frame: str, onclick: str = "") -> str:
     """``text`` (already HTML) as a link to a netron view opening in the frame ``frame``.
 
-    See Note [Links that look like links]. ``url=None``: ``text`` as it is.
+    See Note [Links that look like links]. ``url=None``: ``text`` as it is. ``onclick``: JavaScript run on a click.
 
     Example:
         >>> link("<code>node_mm</code>", "http://127.0.0.1:1/?node=node_mm", "f")  # doctest: +ELLIPSIS
@@ -77,12 +77,7 @@ def link(text: str, url: str | None, frame: str) -> str:
     if url is None:
         return text
     text = text.replace("<code>", "<code style='color:inherit'>")
+    handler = f" onclick='{html.escape(onclick, quote=True)}'" if onclick else ""
     return (f"<a href='{html.escape(url, quote=True)}' target='{html.escape(frame, quote=True)}' "
-            f"title='open in netron' style='{LINK_STYLE}'>{text}</a>")
+            f"title='open in netron' style='{LINK_STYLE}'{handler}>{text}</a>")
 
-
-def viewer_html(url: str, frame: str, height: int, header: str = "") -> str:
-    """A netron IFrame named ``frame`` showing ``url`` (links with that target open in it), under ``header``."""
-    top = f'<div style="font:12px sans-serif;margin:2px 0">{header}</div>' if header else ""
-    return (f'<div class="ortlab-netron">{top}<iframe name="{esc(frame)}" src="{esc(url)}" width="100%" '
-            f'height="{int(height)}" style="border:1px solid #ccc" loading="lazy"></iframe></div>')

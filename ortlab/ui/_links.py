@@ -21,7 +21,8 @@ from ortlab.errors import ConfigError
 from ortlab.inspect.lab_stage import ActivationRow, FallbackRow, Stage
 from ortlab.inspect.profile import NodeTime
 from ortlab.provenance import onnx_node_index
-from ortlab.ui._html import link, viewer_html
+from ortlab.ui._html import link
+from ortlab.ui._netron_frame import FOCUS_JS, frame_html
 
 __all__ = ["Linker"]
 
@@ -131,12 +132,13 @@ class Linker:
         return None
 
     def link(self, text: str, url: str | None) -> str:
-        """``text`` linked to ``url`` in this linker's frame (see ``ortlab.ui._html.link``)."""
-        return link(text, url, self.frame)
+        """``text`` linked to ``url`` in this linker's frame (see ``ortlab.ui._html.link``), which
+        a click brings into sight (see ``ortlab.ui._netron_frame``)."""
+        return link(text, url, self.frame, onclick=FOCUS_JS)
 
     def viewer(self, url: str | None, height: int) -> str:
         """The IFrame the links open in, showing ``url`` first; "" without a URL."""
-        return viewer_html(url, self.frame, height) if url else ""
+        return frame_html(url, self.frame, height) if url else ""
 
 
 def _stage_files(stage: Stage) -> Files:

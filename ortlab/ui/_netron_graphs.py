@@ -8,6 +8,14 @@ subgraph of that module, with the values it reads as inputs and the values other
 read as outputs, saved next to the stage (``views/``) and served like any stage file.
 onnxruntime's optimized models lose the metadata; their nodes keep the exported
 node's name before the first ``/``, which leads back to the exported model's metadata.
+
+Note [Named graph inputs]
+AOTAutograd calls a graph's inputs ``primals_1``, ``primals_2``... (``arg0_1`` without
+grad); the exporter keeps these names, which the runners, the cache and the node links
+rely on. Each input also carries what it is (``ortlab.input``: ``blocks.0.ln1.weight``,
+``idx``; see ``ortlab.provenance.name_inputs``), so the copy netron shows has its inputs
+renamed to that (:func:`rename_inputs`); a link to an input by its old name selects the
+renamed one (:func:`input_names` gives the map).
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ import os
 from typing import Any
 
 from ortlab.errors import ConfigError
-from ortlab.provenance import node_provenance, onnx_node_of, restore_provenance
+from ortlab.provenance import INPUT_KEY, node_provenance, onnx_node_of, restore_provenance
 
-__all__ = ["load_model", "annotate", "node_modules", "module_counts", "extract_module", "resolve_node"]
+__all__ = ["load_model", "annotate", "node_modules", "module_counts", "extract_module", "resolve_node",
+           "input_names", "rename_inputs"]
 
 
 def load_model(path: str) -> Any:
@@ -32,8 +41,6 @@ def _load_cached(path: str, mtime_ns: int) -> Any:
     import onnx
 
     return onnx.load(path, load_external_data=False)
-
-
 
 
 def annotate(model: Any, reference: Any) -> Any | None:
@@ -175,3 +182,51 @@ def resolve_node(model: Any, name: str, reference: Any = None) -> str | None:
         return found[-1]
     values = {v.name for v in [*model.graph.input, *model.graph.output]} | {o for n in nodes for o in n.output}
     return name if name in values else None
+
+
+def input_names(model: Any) -> dict[str, str]:
+    """Graph input name -> the name netron shows for it: what it is (``ortlab.input``).
+
+    A name another value of the graph already has is shown with the old one beside it
+    (``idx (primals_1)``). Inputs without ``ortlab.input`` are left out (see Note [Named graph inputs]).
+
+    Example:
+        >>> input_names(onnx.load("gpt_forward_exported_train.onnx"))["primals_4"]   # doctest: +SKIP
+        'blocks.0.ln1.weight'
+    """
+    graph = model.graph
+    taken = {v for n in graph.node for v in [*n.input, *n.output]} | {t.name for t in graph.initializer}
+    taken |= {v.name for v in [*graph.input, *graph.output]}
+    out: dict[str, str] = {}
+    for value in graph.input:
+        readable = next((p.value for p in value.metadata_props if p.key == INPUT_KEY), "")
+        if not readable or readable == value.name:
+            continue
+        if readable in taken or readable in out.values():
+            readable = f"{readable} ({value.name})"
+        out[value.name] = readable
+    return out
+
+
+def rename_inputs(model: Any, names: dict[str, str]) -> Any:
+    """A copy of ``model`` whose graph inputs (and every use of them) are renamed by ``names``.
+
+    Example:
+        >>> shown = rename_inputs(model, input_names(model))    # doctest: +SKIP
+    """
+    import onnx
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+
+    def rename(graph: Any) -> None:  # subgraphs (If, Loop) may read the outer graph's inputs
+        for value in [*graph.input, *graph.output, *graph.value_info]:
+            value.name = names.get(value.name, value.name)
+        for node in graph.node:
+            node.input[:] = [names.get(i, i) for i in node.input]
+            for attr in node.attribute:
+                for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                    rename(sub)
+
+    rename(out.graph)
+    return out

@@ -19,7 +19,10 @@ on 127.0.0.1 (a free port) with its own small HTTP server:
   and a settings script (same origin: netron's CSP forbids inline scripts) that
   sets the consent cookie, stubs ``sendBeacon`` and selects the node named in ``?node=``,
   opening its properties in netron's sidebar, scrolled down to its ``ortlab.*`` metadata
-  (module, file:line) when the frame is too short to show them;
+  (module, file:line) when the frame is too short to show them; it also keeps the frame
+  from moving the notebook around it: no scroll chaining out of the graph
+  (``overscroll-behavior: contain``), and netron's focus on start-up does not scroll the
+  notebook (``preventScroll``);
 * ``browser.js`` is served with its three start-up checks (age, consent, telemetry)
   removed. If a later netron changes that code, the three measures above still hold;
   a debug log says the patch did not apply.
@@ -66,6 +69,23 @@ SETTINGS_JS = r"""// ortlab: netron offline inside a notebook (see ortlab/ui/_ne
       window.Navigator.prototype.sendBeacon = function () { return true; };
     }
   } catch (e) { /* the CSP blocks the request anyway */ }
+  // Inside a notebook: the wheel over the graph never scrolls the notebook around it, even at the
+  // graph's edge (see Note [A frame that lets the notebook scroll] in ortlab/ui/_netron_frame.py).
+  try { document.documentElement.style.overscrollBehavior = 'contain'; } catch (e) { }
+  // netron focuses its graph when it opens: a focus scrolls every scroller around the frame,
+  // the notebook's too. Focus without scrolling.
+  [window.HTMLElement, window.SVGElement].forEach(function (type) {
+    var focus = type && type.prototype.focus;
+    if (!focus) { return; }
+    type.prototype.focus = function (options) {
+      return focus.call(this, Object.assign({}, options || {}, { preventScroll: true }));
+    };
+  });
+  window.addEventListener('DOMContentLoaded', function () {
+    var target = document.getElementById('target');
+    if (target) { target.style.overscrollBehavior = 'contain'; }
+    if (document.body) { document.body.style.overscrollBehavior = 'contain'; }
+  });
   var wanted = new URLSearchParams(window.location.search).get('node');
   if (!wanted) { return; }
   // In a short frame the sidebar's metadata (below the node's inputs and outputs) is out of

@@ -49,6 +49,7 @@ import weakref
 from typing import Any
 
 from ortlab.errors import ConfigError, OrtlabError
+from ortlab.ui._netron_frame import ALIVE
 from ortlab.ui._netron_page import SETTINGS_JS, SETTINGS_SCRIPT, STATIC_TYPES, index_html, netron_dir, static_file
 
 __all__ = [
@@ -135,6 +136,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             elif owner.path_of(name) is not None and hmac.compare_digest(query.get("key", [""])[0], owner.key):
                 body = index_html(f"{owner.key}/{name}", query.get("title", [""])[0] or name)
             ctype = STATIC_TYPES[".html"]
+        elif path == "/" + ALIVE:  # the views' liveness probe (Note [A saved notebook shows no dead frame])
+            query = urllib.parse.parse_qs(parsed.query)
+            if owner.path_of(query.get("file", [""])[0]) is not None and hmac.compare_digest(
+                    query.get("key", [""])[0], owner.key):
+                body, ctype = _PIXEL, "image/gif"
         elif path == "/" + SETTINGS_SCRIPT:
             body, ctype = SETTINGS_JS.encode("utf-8"), STATIC_TYPES[".js"]
         elif path.startswith(f"/data/{owner.key}/"):
@@ -193,6 +199,8 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
 
 
 _SERVERS: weakref.WeakSet[NetronServer] = weakref.WeakSet()
+# A transparent 1x1 GIF: what the liveness probe answers.
+_PIXEL = bytes.fromhex("47494638396101000100800000000000ffffff21f90401000000002c00000000010001000002024401003b")
 
 
 def proxy_prefix(port: int, proxy: bool | str | None = None) -> str | None:

@@ -15,7 +15,9 @@ The work is split by job, and every public name is re-exported here:
   (Note [Why ortlab serves netron itself]);
 * ``ortlab.ui._netron_server``: the HTTP server and the process's shared one;
 * ``ortlab.ui._netron_graphs``: the ONNX side: a node's source, module subgraphs,
-  the node a name means (Note [Large graphs]);
+  the node a name means (Note [Large graphs]), inputs by parameter name (Note [Named graph inputs]);
+* ``ortlab.ui._netron_frame``: the frame in the notebook: the wheel scrolls the notebook
+  until a click, and a saved notebook shows "re-run this cell", never a dead frame;
 * this module: the views and the files they show.
 """
 
@@ -28,13 +30,15 @@ from typing import Any
 
 from ortlab.errors import ConfigError, OrtlabError
 from ortlab.inspect.views import register_view
-from ortlab.ui._html import viewer_html
+from ortlab.ui._netron_frame import frame_html
 from ortlab.ui._netron_graphs import (
     annotate,
     extract_module,
+    input_names,
     load_model,
     module_counts,
     node_modules,
+    rename_inputs,
     resolve_node,
 )
 from ortlab.ui._netron_page import SETTINGS_SCRIPT, netron_version  # noqa: F401 (SETTINGS_SCRIPT: for tests)
@@ -93,11 +97,15 @@ class NetronView:
         self.url = server.url(name, node)
 
     def _repr_html_(self) -> str:
+        return self.html()
+
+    def html(self, scroll: bool = False) -> str:
+        """The view as HTML; ``scroll``: brought into sight once it opens (a view the user just asked for)."""
         info = f" &middot; {html.escape(self.info)}" if self.info else ""
         node = f" &middot; node <code>{html.escape(self.node)}</code>" if self.node else ""
         header = (f"netron: <b>{html.escape(os.path.basename(self.path))}</b>{info}{node} &middot; "
                   f'<a href="{html.escape(self.url, quote=True)}" target="_blank" rel="noopener">open in a new tab</a>')
-        return viewer_html(self.url, self.frame, self.height, header)
+        return frame_html(self.url, self.frame, self.height, header, scroll)
 
     def iframe(self) -> Any:
         """An ``IPython.display.IFrame`` of the view."""
@@ -189,31 +197,49 @@ def _safe(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text) or "root"
 
 
-def _module_file(path: str, model: Any, module: str, reference: Any) -> str:
+def _fresh(out: str, path: str) -> bool:
+    return os.path.exists(out) and os.stat(out).st_mtime_ns >= os.stat(path).st_mtime_ns
+
+
+def _shown_names(model: Any, reference: Any) -> dict[str, str]:
+    """Graph input -> the name netron shows (Note [Named graph inputs]); an optimized model's from its reference."""
+    names = input_names(model)
+    return names if names or reference is None else input_names(reference)
+
+
+def _shown_model(model: Any, reference: Any, names: dict[str, str]) -> Any | None:
+    """The model netron shows: the source restored on an optimized model's nodes (see :func:`annotate`),
+    the inputs named; None when that is the file as saved."""
+    annotated = annotate(model, reference) if reference is not None else None
+    return rename_inputs(annotated or model, names) if names else annotated
+
+
+def _module_file(path: str, model: Any, module: str, reference: Any, names: dict[str, str]) -> str:
     import onnx
 
     folder = os.path.join(os.path.dirname(path), "views")
     stem = os.path.splitext(os.path.basename(path))[0]
     out = _view_file(path, os.path.join(folder, f"{stem}.{_safe(module)}.onnx"))
-    if not (os.path.exists(out) and os.stat(out).st_mtime_ns >= os.stat(path).st_mtime_ns):
+    if not _fresh(out, path):
         os.makedirs(folder, exist_ok=True)
-        annotated = annotate(model, reference) if reference is not None else None
-        onnx.save(extract_module(annotated or model, module, reference), out)
+        onnx.save(extract_module(_shown_model(model, reference, names) or model, module, reference), out)
     return out
 
 
-def _annotated_file(path: str, model: Any, reference: Any) -> str:
-    """``path``, or a copy under ``views/`` whose nodes carry their source (see :func:`annotate`)."""
+def _shown_file(path: str, model: Any, reference: Any, names: dict[str, str]) -> str:
+    """``path``, or a copy under ``views/`` whose nodes carry their source and whose inputs are named."""
     import onnx
 
+    if reference is None and not names:
+        return path
     out = _view_file(path, os.path.join(os.path.dirname(path), "views", os.path.basename(path)))
-    if os.path.exists(out) and os.stat(out).st_mtime_ns >= os.stat(path).st_mtime_ns:
+    if _fresh(out, path):
         return out
-    annotated = annotate(model, reference)
-    if annotated is None:
+    shown = _shown_model(model, reference, names)
+    if shown is None:
         return path
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    onnx.save(annotated, out)
+    onnx.save(shown, out)
     return out
 
 
@@ -277,12 +303,15 @@ def view_file(
             module = modules.get(target or "") if target else None
         if module in (None, "?"):
             return ModulePicker(path, nodes, module_counts(model, 2, reference), call, max_nodes)
+    names = _shown_names(model, reference)
     if module is not None:
-        sub = _module_file(path, model, module, reference)
+        sub = _module_file(path, model, module, reference, names)
         info = f"module {module or '<root>'} of {os.path.basename(path)} ({nodes} nodes)"
         path = sub
-    elif reference is not None:
-        path = _annotated_file(path, model, reference)
+    else:
+        path = _shown_file(path, model, reference, names)
+    if target in names:
+        target = names[target]  # an input, selected by the name netron shows
     server = server or default_server()
     return NetronView(server, server.add(path), path, target or node, height, info, frame)
 

@@ -248,8 +248,8 @@ class StepperWidget:
             w.HBox([self.next_button, self.all_button]),
             self.overview,
             w.HBox([self.stage, self.graph, self.view_button]),
+            self.viewer,  # right under its button: the view opens where it was asked for
             self.body,
-            self.viewer,
         ])
         current = lab.current
         self._show(current.name if current is not None else lab.stages[0].name)
@@ -300,7 +300,7 @@ class StepperWidget:
         stage = self.lab[self.stage.value]
         try:
             view = stage.view(graph=self.graph.value)
-            self.viewer.value = view._repr_html_()
+            self.viewer.value = view.html(scroll=True) if hasattr(view, "html") else view._repr_html_()
             self.body.value = stage_html(stage)  # rows now link into the view
         except Exception as e:  # missing netron, unreadable file: show why
             self.viewer.value = f"<pre style='color:#cf222e'>{esc(e)}</pre>"

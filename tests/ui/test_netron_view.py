@@ -437,3 +437,83 @@ def test_default_server_is_shared_and_stoppable(saved):
     finally:
         netron_view.stop_default_server()
     assert netron_view.running_default_server() is None
+
+
+# ------------------------------------------------------------------------ the frame in a notebook
+def _named_inputs(model: onnx.ModelProto, names: dict[str, str]) -> onnx.ModelProto:
+    for value in model.graph.input:
+        if value.name in names:
+            entry = value.metadata_props.add()
+            entry.key, entry.value = "ortlab.input", names[value.name]
+    return model
+
+
+def test_a_view_shows_its_message_until_its_server_answers(server, saved):
+    view = view_file(str(saved), node="add", server=server)
+    page = view.html(scroll=True)
+    # As saved in a notebook: the message shows, the frame box is hidden and the frame has no URL.
+    assert "Re-run this cell to open the graph" in page
+    assert 'class="ortlab-netron-box" style="display:none' in page
+    frame = re.search(r"<iframe [^>]*>", page).group(0)
+    assert " src=" not in frame and f'data-src="{html.escape(view.url, quote=True)}"' in frame
+    assert f'name="{view.frame}"' in frame and 'data-scroll="1"' in page and 'data-scroll="1"' not in view._repr_html_()
+    # The probe image that swaps the frame in: answered while the server serves the file, never cached.
+    probe = html.unescape(re.search(r'<img src="([^"]+)"', page).group(1))
+    assert probe == view.url.split("?")[0] + f"ortlab-alive.gif?file={view.name}&key={server.key}"
+    with urllib.request.urlopen(probe, timeout=10) as r:
+        assert r.status == 200 and r.headers["Content-Type"] == "image/gif" and r.read().startswith(b"GIF89a")
+        assert r.headers["Cache-Control"] == "no-store"
+    assert _get(probe.replace(server.key, "wrong"))[0] == 404  # another server's key (a new kernel on the port)
+    server.remove(view.name)
+    assert _get(probe)[0] == 404  # a file no longer served (its lab closed)
+    server.stop()
+    with pytest.raises(urllib.error.URLError):  # a server gone: the image never loads, the message stays
+        urllib.request.urlopen(probe, timeout=5)
+
+
+def test_the_frame_lets_the_wheel_scroll_the_page_until_clicked(server, saved):
+    page = view_file(str(saved), server=server)._repr_html_()
+    box = re.search(r'<div class="ortlab-netron-box"[^>]*>(.*)</div><img', page).group(0)
+    shield = re.search(r'<div class="ortlab-netron-shield"[^>]*>', box).group(0)
+    # A shield covers the frame (the wheel over it scrolls the notebook); a click removes it,
+    # leaving the frame re-arms it.
+    assert "position:absolute;top:0;left:0;right:0;bottom:0" in shield
+    assert "onclick=\"this.style.display=&#x27;none&#x27;;\"" in shield
+    assert "onmouseleave=" in box and "display=&#x27;flex&#x27;" in box
+
+
+def test_table_links_bring_their_frame_into_sight(server, saved):
+    from ortlab.ui._links import Linker
+
+    linker = Linker(lambda: [("g0.forward", str(saved))], "ortlab_netron_x")
+    linker.server = server
+    url = linker.url(str(saved), "relu")
+    anchor = linker.link("<code>relu</code>", url)
+    assert "target='ortlab_netron_x'" in anchor and "onclick='" in anchor
+    assert "scrollTop+=" in html.unescape(anchor) and "getElementsByName(this.target)" in html.unescape(anchor)
+    assert 'name="ortlab_netron_x"' in linker.viewer(url, 300)
+
+
+def test_views_name_graph_inputs_after_what_they_are(server, tmp_path):
+    model = _named_inputs(_layered_model(), {"x": "blocks.0.ln1.weight"})
+    path = tmp_path / "net_forward_exported_train.onnx"
+    onnx.save(model, str(path))
+    view = view_file(str(path), server=server)
+    shown = onnx.load(view.path)
+    assert view.path != str(path) and os.path.dirname(view.path) == str(tmp_path / "views")
+    assert [i.name for i in shown.graph.input] == ["blocks.0.ln1.weight"]
+    assert shown.graph.node[0].input[0] == "blocks.0.ln1.weight"  # its uses follow
+    onnx.checker.check_model(shown)
+    assert [i.name for i in onnx.load(str(path)).graph.input] == ["x"]  # the saved file is left as it is
+    # A link to the input by its exported name selects the renamed input; nodes keep their names.
+    assert view_file(str(path), node="x", server=server).node == "blocks.0.ln1.weight"
+    assert view_file(str(path), node="relu", server=server).node == "node_relu"
+    # A module's subgraph names them too.
+    sub = onnx.load(view_file(str(path), module="blocks.0", server=server).path)
+    assert [i.name for i in sub.graph.input] == ["blocks.0.ln1.weight"]
+
+
+def test_an_input_name_another_value_has_keeps_the_old_one_beside_it():
+    model = _named_inputs(_layered_model(), {"x": "r0"})  # r0 is a node's output
+    assert netron_view.input_names(model) == {"x": "r0 (x)"}
+    assert netron_view.input_names(_layered_model()) == {}
