@@ -370,6 +370,19 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_ortlab_sinks", (*self._ortlab_sinks, sink))
         self._ortlab_backend.sinks.append(sink)
 
+    def remove_stage_sink(self, sink: StageSink) -> None:
+        """Stop handing stages to ``sink`` (added with :meth:`add_stage_sink`); no-op if it is not there.
+
+        The sinks live as long as the compiled graphs, which torch keeps: a view that
+        adds one removes it when it is done, so the module it watches can be freed.
+
+        Example:
+            >>> om.remove_stage_sink(sink)          # doctest: +SKIP
+        """
+        object.__setattr__(self, "_ortlab_sinks", tuple(s for s in self._ortlab_sinks if s is not sink))
+        sinks = self._ortlab_backend.sinks
+        sinks[:] = [s for s in sinks if s is not sink]
+
     @property
     def module(self) -> nn.Module:
         """The wrapped module (for saving, or to run it without onnxruntime)."""

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import time
+import weakref
 from typing import Any
 
 from ortlab.errors import ConfigError, OrtlabError
@@ -173,11 +174,22 @@ class Monitor:
             return
         if not hasattr(self.ortmodule, "add_stage_sink"):
             return
-        log = self._log
-        self._progress = StageProgress(self._view.show_status, lambda: len(log.start),
-                                       lambda: log.start[-1] if log.start else None,
-                                       lambda: providers_note(self.ortmodule))
-        self.ortmodule.add_stage_sink(self._progress)  # the module keeps it; detach() turns it off
+        log, view, module = self._log, weakref.ref(self._view), weakref.ref(self.ortmodule)
+
+        # The sink holds the view and the module weakly: the engine's backend, which torch
+        # keeps for as long as the compiled code, holds the sink (detach() also removes it).
+        def show(text: str) -> None:
+            live = view()
+            if live is not None:
+                live.show_status(text)
+
+        def note() -> str:
+            live = module()
+            return providers_note(live) if live is not None else ""
+
+        self._progress = StageProgress(show, lambda: len(log.start), lambda: log.start[-1] if log.start else None,
+                                       note)
+        self.ortmodule.add_stage_sink(self._progress)
 
     def detach(self) -> None:
         """Stop watching; the recorded steps stay.
@@ -191,6 +203,8 @@ class Monitor:
             self._watcher.stop()
         if self._progress is not None:
             self._progress.active = False
+            self.ortmodule.remove_stage_sink(self._progress)
+            self._progress = None
         if self._is_open():
             if self.auto:
                 self._log.end[len(self._log.start) - 1] = time.perf_counter()

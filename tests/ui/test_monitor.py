@@ -628,3 +628,23 @@ def test_load_checks_a_file_from_elsewhere_before_use(tmp_path, monkeypatch):
     monkeypatch.setattr(monitor_module, "MAX_FILE_BYTES", 100)
     with pytest.raises(ortlab.ConfigError, match="more than a monitor file holds"):
         Monitor.load(path)
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_a_monitored_module_is_freed_with_its_monitor(detach):
+    """The compile-progress sink lives in the engine's backend, which torch keeps: it must not keep the module."""
+    import gc
+    import weakref
+
+    model = ortlab.ORTModule(TinyMLP())
+    mon = monitor(model, every=2, show=False)
+    for _ in range(3):
+        model(*make_batch("tiny", 4)).sum().backward()
+    assert mon.steps == 3
+    if detach:
+        mon.detach()
+        assert not model._ortlab_sinks
+    refs = weakref.ref(model), weakref.ref(mon)
+    del model, mon
+    gc.collect()
+    assert all(r() is None for r in refs)
