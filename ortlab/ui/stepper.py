@@ -293,7 +293,9 @@ class StepperWidget:
     def _show(self, name: str) -> None:
         stage = self.lab[name]
         self.body.value = stage_html(stage)
-        self.graph.options = list(stage.artifacts)
+        graphs = list(stage.artifacts)
+        self.graph.options = graphs
+        self.graph.value = graphs[0] if graphs else None  # ipywidgets leaves it unselected (blank) otherwise
         self.view_button.disabled = not stage.artifacts
 
     def _view(self) -> None:

@@ -92,6 +92,7 @@ def test_lab_html_and_widget_step_through(tmp_path, no_server):
     stepper.next_button.click()
     assert lab["captured"].status == "done" and "captured (done)" in stepper.stage.options[0][0]
     assert "Captured graph" in stepper.body.value and list(stepper.graph.options) == ["g0"]
+    assert stepper.graph.value == "g0"  # shown selected, not blank
     stepper.view_button.click()  # an FX stage shows its code
     assert "GraphModule" in stepper.viewer.value
     stepper.all_button.click()
