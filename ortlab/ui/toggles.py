@@ -15,8 +15,10 @@ nn.Module and source line are in netron's sidebar.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +39,8 @@ from ortlab.ui._links import Linker
 from ortlab.ui.netron_view import HEIGHT
 
 __all__ = ["RecomputeToggles", "FallbackToggles", "ApplyResult", "OpRow"]
+
+logger = logging.getLogger(__name__)
 
 
 def _cells(values: list[str], widths: list[int]) -> str:
@@ -188,6 +192,34 @@ class _Measured:
         return Timing(tuple(self.step() for _ in range(steps)))
 
 
+class _WhenCaptured:
+    """A stage sink redrawing a toggles widget once a training capture's backward is exported.
+
+    A cell that calls ``model.reconfigure(recompute=...)`` and trains re-captures the
+    module; the widget shown earlier then shows the policy and plan in force. It asks
+    only for a stage the engine makes anyway (``exported``; the plan is known by then),
+    and holds the toggles weakly: the engine's backend, which torch keeps, holds the
+    sink. A redraw that raises (a closed widget) stops it.
+    """
+
+    def __init__(self, toggles: RecomputeToggles) -> None:
+        self._toggles: weakref.ref[RecomputeToggles] | None = weakref.ref(toggles)
+
+    def wants(self, stage: str) -> bool:
+        return self._toggles is not None and stage == "exported"
+
+    def accept(self, artifact: Any) -> None:
+        toggles = self._toggles() if self._toggles is not None else None
+        if toggles is None or not artifact.label.endswith("backward"):
+            return
+        try:
+            if toggles._captured_in_code is not None:
+                toggles._captured_in_code()
+        except Exception as e:  # a closed widget, a module gone: stop following
+            logger.debug("recompute toggles stop following captures: %s", e)
+            self._toggles = None
+
+
 def _plan(om: ORTModule) -> RecomputePlan | None:
     return next((c.plan for c in om.report.captures if c.plan is not None), None)
 
@@ -211,6 +243,8 @@ class RecomputeToggles:
         current = om.options.recompute
         self.pending: str | tuple[str, ...] = current
         self.history: list[ApplyResult] = []
+        self._captured_in_code: Callable[[], None] | None = None  # the shown widget's redraw
+        self._following = False  # a _WhenCaptured sink was added to the module
 
     @property
     def plan(self) -> RecomputePlan:
@@ -310,22 +344,43 @@ class RecomputeToggles:
         def on_box(name: str) -> Callable[[dict], None]:
             return lambda change: self.toggle(name, change["new"])
 
-        def on_apply(_: object) -> None:
-            status.value = "<i>re-capturing and measuring...</i>"
-            result = self.apply()
+        def redraw(note: str) -> None:
+            """Rows, preset and policy as the module runs now (after Apply, or a capture from code)."""
             linker.forget()  # the module re-captured: new graphs
             new_urls = self.urls(linker)
+            in_force = self.run.om.options.recompute
             for a in self.plan.activations:
                 if a.name in boxes:
                     boxes[a.name].value = a.recomputed
                     cells[a.name].value = row_html(a, new_urls.get(a.name))
+            presets.value = parse_recompute(in_force)[0]
+            self.pending = in_force  # the observers above edited it; what is pending now is what runs
             viewer.value = _viewer(linker, list(new_urls.values()))
-            status.value = self._summary() + f"<br><b>{esc(result)}</b>"
+            status.value = self._summary() + note
+
+        applying = [False]  # Apply redraws by itself; a capture from code redraws through the sink
+
+        def on_apply(_: object) -> None:
+            status.value = "<i>re-capturing and measuring...</i>"
+            applying[0] = True
+            try:
+                result = self.apply()
+            finally:
+                applying[0] = False
+            redraw(f"<br><b>{esc(result)}</b>")
+
+        def captured_in_code() -> None:
+            if not applying[0]:
+                redraw("<br><i>re-captured from code: this is the policy the module runs now</i>")
 
         presets.observe(on_preset, names="value")
         for name, box in boxes.items():
             box.observe(on_box(name), names="value")
         apply.on_click(on_apply)
+        self._captured_in_code = captured_in_code  # the last widget shown follows captures from code
+        if not self._following:
+            self.run.om.add_stage_sink(_WhenCaptured(self))
+            self._following = True
         title = w.HTML("<b>Saved activations</b> (checked = recomputed in the backward; a name opens its node in netron)")
         header = w.HTML(_header(["activation (FX node)", "op", "shape", "dtype", "bytes", "module"], widths))
         return w.VBox([title, presets, header, _table_box(w, rows), apply, status, viewer])

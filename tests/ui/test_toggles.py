@@ -101,6 +101,13 @@ def test_recompute_widget_links_rows_and_apply_updates_them(gpt_and_batch):
     assert text == gelu.name and _query(new_url)["file"] != _query(urls[gelu.name])["file"]
     server = netron_view.running_default_server()
     assert server is not None and server.path_of(_query(urls[gelu.name])["file"]) is not None
+    # A later cell changes the policy in code and trains: the widget shown earlier follows.
+    om = toggles.run.om
+    om.reconfigure(recompute="auto")
+    om(*batch).backward()
+    assert "<code>auto</code>" in status.value and "re-captured from code" in status.value, status.value
+    assert presets.value == "auto" and toggles.pending == "auto"
+    assert [row.children[0].value for row in table.children] == [a.recomputed for a in toggles.plan.activations]
 
 
 def test_fallback_toggles_send_and_back(gpt_and_batch):
