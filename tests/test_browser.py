@@ -667,3 +667,58 @@ def test_view_graph_opens_under_its_button_with_inputs_named_by_parameter(lab, b
     iframe.screenshot(path=str(ARTIFACTS / "netron-inputs.png"))
     assert frame.get_by_text("tok.weight", exact=True).count() >= 1
     assert frame.get_by_text("primals_1", exact=True).count() == 0
+
+
+# Recompute toggles as a user drives them: a later cell changes the policy in code; then the
+# layerwise preset, Apply; then one more row ticked on top of it, Apply.
+_TOGGLES_NOTEBOOK = [
+    """import torch, ortlab
+from ortlab.models import GPT, GPTConfig, make_batch
+from ortlab.ui.toggles import RecomputeToggles
+torch.manual_seed(0)
+config = GPTConfig(vocab=100, d_model=32, n_heads=2, n_layers=2, block_size=16)
+model = ortlab.ORTModule(GPT(config))
+idx, targets = make_batch("gpt", 2, vocab=config.vocab, block_size=config.block_size)
+RecomputeToggles(model, idx, targets)""",
+    """model.reconfigure(recompute="auto")
+model(idx, targets).backward()
+print("policy changed in code")""",
+]
+
+
+def _saved_bytes(text: str) -> tuple[int, int]:
+    before, after = re.search(r"saved activations ([\d,]+) -> ([\d,]+) bytes", text).groups()
+    return int(before.replace(",", "")), int(after.replace(",", ""))
+
+
+def test_recompute_toggles_follow_code_and_rows_never_add_bytes(lab, browser):
+    (lab.root / "toggles.ipynb").write_text(_notebook(_TOGGLES_NOTEBOOK))
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    _run_all(page, lab, "toggles.ipynb", "policy changed in code")
+    widget = page.locator(".widget-vbox", has=page.get_by_text("Saved activations (checked")).last
+    status = widget.locator(".widget-html", has_text="policy in force").first
+    status.wait_for(timeout=60_000)
+    page.wait_for_function("() => document.body.innerText.includes('re-captured from code')", timeout=60_000)
+    assert "policy in force auto" in status.inner_text().replace("\n", " "), status.inner_text()
+    active = widget.locator(".widget-toggle-button.mod-active")
+    assert active.first.inner_text().strip() == "auto"
+    # The layerwise preset, Apply: a measured result.
+    widget.locator(".widget-toggle-button", has_text="layerwise").first.click()
+    widget.locator("button", has_text="Apply").first.click()
+    page.wait_for_function("() => /policy in force layerwise[^]*->/.test(document.body.innerText)", timeout=180_000)
+    _, layerwise = _saved_bytes(status.inner_text())
+    # Tick a row the preset saves, Apply: the preset stays, the row is added, bytes never grow.
+    boxes = widget.locator(".widget-checkbox input")
+    row = next(i for i in range(boxes.count()) if not boxes.nth(i).is_checked())
+    boxes.nth(row).click()
+    widget.locator("button", has_text="Apply").first.click()
+    page.wait_for_function("() => /policy in force layerwise \\+/.test(document.body.innerText.replace(/\\n/g, ' '))",
+                           timeout=180_000)
+    page.wait_for_timeout(500)
+    text = status.inner_text()
+    before, after = _saved_bytes(text)
+    widget.screenshot(path=str(ARTIFACTS / "recompute-toggles.png"))
+    assert before == layerwise and after <= before, text
+    assert active.first.inner_text().strip() == "layerwise"
+    assert boxes.nth(row).is_checked() or "left out" in text, text  # recomputed, or left out with its reason
+    assert re.search(r"\d+(\.\d+)? ms \(", text) and ("within noise" in text or "x " in text), text

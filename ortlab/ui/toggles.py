@@ -314,7 +314,7 @@ class RecomputeToggles:
         import ipywidgets as w
 
         linker = _linker(self.run.om)
-        widths = [280, 160, 90, 70, 80, 120]
+        widths = [270, 150, 80, 60, 70, 110]  # 740 px + the box: one line in an 800 px output
         presets = w.ToggleButtons(options=list(RECOMPUTE_PRESETS), tooltips=list(RECOMPUTE_PRESETS.values()),
                                   value=parse_recompute(self.pending)[0])
         boxes: dict[str, Any] = {}
