@@ -8,7 +8,8 @@ Every example must either match eager (outputs and gradients; judged against a f
 run where float32 rounding could explain a gap) or raise the error eager raises; never
 a different number, never a raw onnxruntime message.
 
-``ORTLAB_GENERATED_EXAMPLES`` sets the number of examples (300 by default, a fixed seed:
+``ORTLAB_GENERATED_EXAMPLES`` sets the number of examples (250 by default: enough for the fixed seed
+to draw every block, head, dtype and edge, which 200 are not; a fixed seed:
 the same examples on every run); ``ORTLAB_GENERATED_EXAMPLES=2000`` is the long run (about
 20 minutes on 2 cores, kept out of the suite). The pass rate is in the README.
 """
@@ -348,7 +349,7 @@ def _near_tie_unknown(head: str, o: torch.Tensor, e: torch.Tensor, ref: tuple | 
     return f"out[{i}] {head}: {o.tolist()} != eager {e.tolist()}"
 
 
-EXAMPLES = int(os.environ.get("ORTLAB_GENERATED_EXAMPLES", "300"))
+EXAMPLES = int(os.environ.get("ORTLAB_GENERATED_EXAMPLES", "250"))
 
 
 # No shrinking: a failing example is printed whole, and shrinking one took minutes.

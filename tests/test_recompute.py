@@ -104,9 +104,10 @@ def test_rows_on_a_preset_never_add_saved_bytes_and_keep_results(gpt_and_batch):
     the plan saving no more than the preset, with eager's loss and gradients."""
     model, batch = gpt_and_batch
     _, loss0, grads0 = run(model, batch, recompute="none")
+    plans = {}
     for preset in ("layerwise", "auto"):
         base, _, _ = run(model, batch, recompute=preset)
-        plan = base.report.captures[0].plan
+        plan = plans[preset] = base.report.captures[0].plan
         saved = [a.name for a in plan.activations if not a.recomputed]
         # A spread of rows on layerwise (the preset the bug hit), each alone; one on auto.
         rows = (saved[0], saved[len(saved) // 2], saved[-1]) if preset == "layerwise" else (saved[len(saved) // 2],)
@@ -123,7 +124,7 @@ def test_rows_on_a_preset_never_add_saved_bytes_and_keep_results(gpt_and_batch):
     # A row that saves: layerwise without recomputing the LayerNorms saves more, as asked, and says so.
     om, _, _ = run(model, batch, recompute=("layerwise", "-op:aten.native_layer_norm"))
     kept = om.report.captures[0].plan
-    layerwise = run(model, batch, recompute="layerwise")[0].report.captures[0].plan
+    layerwise = plans["layerwise"]
     assert kept.policy == "layerwise -op:aten.native_layer_norm"
     assert kept.saved_bytes > layerwise.saved_bytes
     assert not any(a.recomputed and a.op == "aten.native_layer_norm" and a.reason.startswith("layerwise")
