@@ -29,7 +29,7 @@ from typing import Any
 from ortlab.stages import StageArtifact, Stages, file_name
 from ortlab.ui._links import Files, Linker
 
-__all__ = ["ModuleGraphs", "graph_files", "module_linker"]
+__all__ = ["ModuleGraphs", "graph_files", "module_linker", "remove_graph_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class ModuleGraphs:
         self._generation = 0
         self._folder = self.root
         self._prefix = "model"
-        weakref.finalize(self, _remove, self.root)
+        weakref.finalize(self, remove_graph_folder, self.root)
 
     def wants(self, stage: str) -> bool:
         return stage in ("exported", "onnxscript", "execution")
@@ -76,7 +76,8 @@ class ModuleGraphs:
         return self.files
 
 
-def _remove(root: str) -> None:
+def remove_graph_folder(root: str) -> None:
+    """Stop serving a temp folder of graphs and delete it (when what wrote it is collected)."""
     from ortlab.ui._netron_server import forget_folder
 
     forget_folder(root)

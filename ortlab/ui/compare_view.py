@@ -20,16 +20,15 @@ import itertools
 import logging
 import os
 import secrets
-import shutil
 import tempfile
 import weakref
-from typing import Any
 
 from ortlab.inspect._results import CompareResult, NodeComparison
 from ortlab.inspect._tables import result_html
 from ortlab.inspect.views import register_view
 from ortlab.stages import serialize_onnx
 from ortlab.ui._links import Files, Linker
+from ortlab.ui._module_graphs import remove_graph_folder
 from ortlab.ui.netron_view import HEIGHT
 
 __all__ = ["compare_html", "graph_files"]
@@ -67,11 +66,8 @@ def graph_files(result: CompareResult) -> Files:
 
 
 def _remove(key: int, root: str) -> None:
-    from ortlab.ui._netron_server import forget_folder
-
     _FILES.pop(key, None)
-    forget_folder(root)
-    shutil.rmtree(root, ignore_errors=True)
+    remove_graph_folder(root)
 
 
 def compare_html(result: CompareResult, height: int = HEIGHT) -> str:
@@ -101,8 +97,4 @@ def compare_html(result: CompareResult, height: int = HEIGHT) -> str:
     return result_html(result, node_link=node_link, footer=footer)
 
 
-def _view(result: Any) -> str:
-    return compare_html(result)
-
-
-register_view("compare_html", _view)
+register_view("compare_html", compare_html)
