@@ -66,8 +66,11 @@ def test_second_module_hits_the_cache_and_matches(tmp_path):
     first = ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(tmp_path))
     step(first, copy.deepcopy(base), x)
     assert cached(first) == 0
-    entries = [p for p in tmp_path.glob("*.json") if not p.name.startswith("torchlib-ops-")]
+    entries = [p for p in tmp_path.glob("*.json")
+               if not p.name.startswith("torchlib-ops-") and not p.name.endswith(".providers.json")]
     assert len(list(tmp_path.glob("*.onnx"))) == 2 and len(entries) == 2
+    # A provider decision beside each entry where there was a race (another provider installed).
+    assert len(list(tmp_path.glob("*.providers.json"))) in (0, 2)
     assert len(list(tmp_path.glob("torchlib-ops-*.json"))) == 1  # the registry's op list
     second = ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(tmp_path))
     step(second, copy.deepcopy(base), x)

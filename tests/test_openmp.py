@@ -1,4 +1,5 @@
-"""import ortlab shortens PyTorch's OpenMP spin when it still can, and says so when it cannot."""
+"""PyTorch's OpenMP threads stay out of onnxruntime's way: import ortlab shortens their spin when it still
+can, and before a multi-threaded session runs ortlab releases them, whatever the import order."""
 
 from __future__ import annotations
 
@@ -34,8 +35,52 @@ def test_openmp_spin_is_tuned_before_torch_loads_and_hinted_after():
     assert spin == "30000" and "set by ortlab" in state and hints == []
     spin, state, hints = _probe(first="import torch")
     assert spin is None and state == "untouched"
-    assert len(hints) == 1 and "GOMP_SPINCOUNT=30000" in hints[0]
+    assert hints == []  # nothing to do: ortlab releases the spinning threads before its sessions run
     spin, state, hints = _probe(GOMP_SPINCOUNT="5")
     assert spin == "5" and "set by the user" in state and hints == []
     spin, state, hints = _probe(ORTLAB_TUNE_OPENMP="0")
     assert spin is None and "ORTLAB_TUNE_OPENMP=0" in state and hints == []
+
+
+_RELEASE = """
+import os, torch, ortlab
+torch.set_num_threads(2)
+threads = lambda: len(os.listdir("/proc/self/task"))
+x = torch.randn(4_000_000)
+x.mul(2).sum()  # a parallel op: libgomp starts its worker, which then spins
+spinning = threads()
+ortlab._openmp.release_openmp_threads()()
+released = threads()
+x.mul(2).sum()  # PyTorch's next parallel op starts a worker again
+print(repr((spinning, released, threads())))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts threads in /proc/self/task")
+def test_idle_openmp_threads_are_released_and_come_back():
+    out = subprocess.run([sys.executable, "-c", _RELEASE], capture_output=True, text=True, check=True, timeout=300)
+    spinning, released, again = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 (our own repr)
+    assert released == spinning - 1, (spinning, released)
+    assert again == spinning
+
+
+def test_only_multi_threaded_cpu_sessions_release_openmp_threads():
+    import torch
+    import torch.nn.functional as F
+
+    import ortlab
+    from ortlab.models import MLP, TinyMLP, make_batch
+
+    def runners(module, batch):
+        om = ortlab.ORTModule(module)
+        x, y = make_batch(*batch)
+        F.cross_entropy(om(x), y).backward()
+        return [p.runner for c in om.report.captures for g in c.graphs for p in g.parts]
+
+    torch.manual_seed(0)
+    small = runners(TinyMLP(), ("tiny", 8))
+    assert all(r._release_openmp is None for r in small)  # one thread: nothing to share the cores with
+    if ortlab._openmp.release_openmp_threads() is None:
+        pytest.skip("no OpenMP runtime with omp_pause_resource_all in this process")
+    large = runners(MLP(), ("mlp", 64))
+    assert all(r._release_openmp is not None for r in large)

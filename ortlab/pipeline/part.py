@@ -41,6 +41,7 @@ from ortlab.runtime.cache import (
 )
 from ortlab.runtime.kernels import missing_kernels
 from ortlab.runtime.observe import GraphObserver, observed_part
+from ortlab.runtime.providers import is_plugin
 from ortlab.runtime.runner import OrtRunner
 from ortlab.runtime.race import RaceResult, make_race
 from ortlab.runtime.session import (
@@ -171,6 +172,15 @@ class PartBuilder:
         the decision is stored with the cache entry (Note [Stored provider decisions])."""
         if not self.providers.candidates or runner.session_source is None:
             return
+        if self.ctx.options.profile:
+            # profile=True profiles every run from the first: a race would swap in an unprofiled
+            # session and leave its own runs in the profile. The profiling windows of the monitor
+            # (and collect_profile) build twins of whichever provider won, so they can measure.
+            self.record.notes.append(
+                f"{self._label(part)} providers: {'+'.join(self.providers.providers)} kept without measuring "
+                f"{', '.join(c[0] for c in self.providers.candidates)}: profile=True profiles the session built "
+                "first; profile without it (monitor, collect_profile windows) or pin providers=[...] to profile another")
+            return
         sources = [dataclasses.replace(runner.session_source, providers=c) for c in self.providers.candidates]
         where, record, candidates = self._label(part), self.record, self._all_candidates()
 
@@ -200,9 +210,16 @@ class PartBuilder:
         staged = stage_model(entry) if entry is not None else None
         temp = None
 
+        providers = self.providers.providers
+        if providers and is_plugin(providers[0]) and _has_empty_input(exported):
+            # Note [OpenVINO and tensors with no elements]
+            self.record.notes.append(f"{self._label(part)} providers: CPUExecutionProvider instead of the pinned "
+                                     f"{providers[0]}: an input has no elements, on which it would crash the process")
+            providers = ("CPUExecutionProvider",)
+
         def build(target: str | None) -> BuiltSession:
             return build_session(data, ctx.options, ctx.debug, device_type=ctx.device.type,
-                                 providers=self.providers.providers, threads=threads, optimized_path=target)
+                                 providers=providers, threads=threads, optimized_path=target)
 
         def scratch() -> str | None:  # where the execution stage is written without the cache
             nonlocal temp
@@ -295,3 +312,17 @@ class PartBuilder:
             self._race(runner, part, entry)
         self.record.parts.append(PartRecord(part, self._label(part), runner, None, "execution"))
         return runner
+
+
+# Note [OpenVINO and tensors with no elements]
+# OpenVINO's CPU plugin (onnxruntime-ep-openvino 1.8.1) kills the process with SIGFPE when it
+# compiles a graph whose input has a static dimension of size 0 (Dynamo captures an empty
+# index into an embedding as such a graph; seen on a 2-core Xeon): no exception, no
+# message. So a pinned plugin provider builds such a graph on the CPU provider (the report
+# says so), and the provider race does not measure plugin providers on inputs with no
+# elements (``ortlab.runtime.race``). A graph with a dynamic dimension that is 0 at run
+# time runs on OpenVINO without harm (tests/runtime/test_providers.py).
+def _has_empty_input(exported: ExportedGraph) -> bool:
+    """Whether an input of the graph has a dimension of size 0 (its shapes are static)."""
+    return any(v.shape is not None and any(isinstance(d, int) and d == 0 for d in v.shape)
+               for v in exported.model.graph.inputs)

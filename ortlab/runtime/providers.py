@@ -17,15 +17,18 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+import json
 import logging
+import os
 import threading
 from typing import Any
 
 import onnxruntime as ort
 
+from ortlab._cache_files import writable
 from ortlab.errors import DeviceError, first_line
 
-__all__ = ["PLUGINS", "KnownPlugin", "PluginEP", "plugin", "plugin_eps", "plugin_notes", "is_plugin", "cpu_candidates"]
+__all__ = ["PLUGINS", "KnownPlugin", "PluginEP", "plugin", "plugin_eps", "plugin_notes", "is_plugin", "cpu_candidates", "plugin_options"]
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +45,20 @@ class KnownPlugin:
     vendor_ids: frozenset[int] = frozenset()  # empty: any vendor
 
 
-# INFERENCE_PRECISION_HINT=f32: OpenVINO's CPU plugin would otherwise run f32 graphs in
-# bf16 on CPUs with AMX/AVX-512-bf16, far outside the parity tolerance. Its factory offers
-# Intel devices only, so on other CPUs it is not even loaded (loading it costs ~1 s of
-# shared libraries for nothing).
+# Note [OpenVINO runs f32 graphs in f32]
+# OpenVINO's CPU plugin runs f32 graphs in bf16 on CPUs with AMX/AVX-512-bf16 unless its
+# INFERENCE_PRECISION_HINT is f32: a 1024x1024 MatMul then differs from float64 by 2.7e-3
+# relative instead of 8e-7, far outside the parity tolerance. The plugin (1.8.1) takes that
+# setting only inside its ``load_config`` option (a JSON map per OpenVINO device); given as a
+# provider option of its own it is ignored without a word (``precision`` at least logs a
+# warning), which an earlier ortlab did on an Intel Xeon with AMX, so f32 was never in force.
+# Its factory offers Intel devices only, so on other CPUs it is not even loaded (loading it
+# costs ~1 s of shared libraries for nothing).
+OPENVINO_CPU_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
 PLUGINS: dict[str, KnownPlugin] = {
     "OpenVINOExecutionProvider": KnownPlugin("onnxruntime_ep_openvino", "onnxruntime-ep-openvino",
-                                             {"INFERENCE_PRECISION_HINT": "f32"}, frozenset({INTEL})),
+                                             {"load_config": json.dumps({"CPU": OPENVINO_CPU_CONFIG})},
+                                             frozenset({INTEL})),
 }
 
 
@@ -119,6 +129,24 @@ def plugin_notes() -> dict[str, str]:
     """Why each known plugin provider is not available here, by EP name."""
     _scan()
     return dict(_NOTES)
+
+
+# Note [OpenVINO's compiled-model cache]
+# OpenVINO compiles each graph for the CPU when its session is built (0.1-1 s a graph for
+# the GPT). With ``cache_dir`` set, its CACHE_DIR is ``{cache_dir}/openvino``: a later
+# process building the same graph loads the compiled blob instead, so a cached start that
+# the stored provider decision sends to OpenVINO does not compile again. OpenVINO keys the
+# blobs on the model and its settings and manages the folder itself. A folder that stopped
+# taking ortlab's writes (Note [A cache folder that stops taking writes]) gets none from
+# OpenVINO either.
+def plugin_options(ep: PluginEP, cache_dir: str | None) -> dict[str, str]:
+    """The provider options a session on ``ep`` is built with (with its compiled-model cache in
+    ``cache_dir``, see Note [OpenVINO's compiled-model cache])."""
+    if cache_dir is None or ep.name != "OpenVINOExecutionProvider" or not writable(cache_dir):
+        return dict(ep.options)
+    config = json.loads(ep.options["load_config"])
+    config["CPU"] = {**config["CPU"], "CACHE_DIR": os.path.join(cache_dir, "openvino")}
+    return {**ep.options, "load_config": json.dumps(config)}
 
 
 def is_plugin(name: str) -> bool:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ortlab.errors import first_line
+from ortlab.runtime.providers import is_plugin
 from ortlab.runtime.session import SessionSource
 
 if TYPE_CHECKING:
@@ -97,8 +98,14 @@ def make_race(candidates: Sequence[SessionSource],
         result = RaceResult(first.providers if first is not None else (), {}, {})
         result.times_ms[_name(first, result.times_ms)] = best_s * 1e3
         best = (runner.session, first)
+        empty = any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args)
         for source in candidates:
             name = _name(source, result.times_ms)
+            if empty and source.providers and is_plugin(source.providers[0]):
+                # Note [OpenVINO and tensors with no elements] in ortlab.pipeline.part
+                result.dropped[name] = ("not measured: an input has no elements, on which it would crash the "
+                                        "process")
+                continue
             try:
                 built = source.rebuild(quiet=True)  # a failure is recorded below, not printed by onnxruntime
             except Exception as e:  # noqa: BLE001 - a candidate that cannot build is dropped, said why

@@ -26,6 +26,7 @@ import torch
 
 from ortlab._compat.onnxruntime import OrtValueVector, RunOptions, ort_device, session_core, value_from_dlpack
 from ortlab._compat.torch import from_dlpack_capsule, unset_fake_temporarily
+from ortlab._openmp import release_openmp_threads
 from ortlab.errors import InternalError, SessionError
 from ortlab.onnx.guards import IndexGuard, check
 from ortlab.runtime.session import SessionSource
@@ -110,6 +111,11 @@ class OrtRunner:
         # each session run is wrapped in (see Note [One time axis for PyTorch and onnxruntime]
         # in ``ortlab.inspect.timeline_record``); None otherwise, at the cost of one test a call.
         self.span: str | None = None
+        # Called before each run of a multi-threaded session: PyTorch's idle OpenMP threads
+        # leave instead of spinning on the cores the session needs (Note [PyTorch's OpenMP
+        # spin and onnxruntime] in ``ortlab._openmp``); None for single-threaded sessions.
+        multi_threaded = session_source is None or session_source.threads != 1
+        self._release_openmp = release_openmp_threads() if multi_threaded and device.type == "cpu" else None
         if len(self.input_names) != len(input_kinds):
             raise InternalError(
                 f"the session has {len(self.input_names)} inputs but the graph has {len(input_kinds)} "
@@ -202,6 +208,8 @@ class OrtRunner:
             for t in tensors:
                 inputs.push_back(value_from_dlpack(t.detach().__dlpack__(), t.dtype == torch.bool))
         outputs = OrtValueVector()
+        if self._release_openmp is not None:
+            self._release_openmp()
         if self.span is None:
             self._sess.run_with_ortvaluevector(
                 self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices

@@ -24,7 +24,7 @@ import onnxruntime as ort
 
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import DeviceError, SessionError, first_line
-from ortlab.runtime.providers import cpu_candidates, is_plugin, plugin
+from ortlab.runtime.providers import cpu_candidates, is_plugin, plugin, plugin_options
 
 __all__ = [
     "SMALL_GRAPH_FLOPS",
@@ -172,6 +172,8 @@ class SessionSource:
         providers: its execution providers, in order of precedence.
         threads: its intra-op threads (``None``: onnxruntime's default).
         log_severity: onnxruntime's log severity.
+        cache_dir: the ``cache_dir`` option: a plugin provider that compiles (OpenVINO) keeps
+            its compiled models in a folder inside it (Note [OpenVINO's compiled-model cache]).
     """
 
     model: bytes | str = dataclasses.field(repr=False)
@@ -179,6 +181,7 @@ class SessionSource:
     providers: tuple[str, ...]
     threads: int | None
     log_severity: int
+    cache_dir: str | None = None
 
     def rebuild(self, *, profile_prefix: str | None = None, quiet: bool = False) -> BuiltSession:
         """Another session of the same model and settings (a profiling twin with ``profile_prefix``).
@@ -253,7 +256,7 @@ def build_session(
         profile_prefix = unique_profile_prefix()
     severity = 4 if quiet else (debug or DebugOptions()).log_level.to_ort_severity()
     source = SessionSource(model, level or options.graph_optimization_level, choice.providers, threads.threads,
-                           severity)
+                           severity, options.cache_dir)
     built = _build(source, optimized_path, profile_prefix)
     return dataclasses.replace(built, providers=choice, threads=threads)
 
@@ -265,7 +268,7 @@ def _build(source: SessionSource, optimized_path: str | None, profile_prefix: st
         if source.providers and is_plugin(source.providers[0]):
             # A plugin provider takes its devices; onnxruntime adds the CPU provider after it.
             ep = plugin(source.providers[0])
-            so.add_provider_for_devices(list(ep.devices), ep.options)
+            so.add_provider_for_devices(list(ep.devices), plugin_options(ep, source.cache_dir))
             session = ort.InferenceSession(source.model, sess_options=so)
         else:
             missing = [p for p in source.providers if p not in ort.get_available_providers()]

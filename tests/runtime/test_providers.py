@@ -131,3 +131,60 @@ def test_a_cached_start_uses_the_stored_decision_without_measuring(tmp_path, mon
     with torch.no_grad():
         torch.testing.assert_close(plain(x), expected)
     assert not notes(plain)
+
+
+def _needs_openvino() -> None:
+    if "OpenVINOExecutionProvider" not in providers_module.plugin_eps():
+        pytest.skip(f"OpenVINO does not run here: {providers_module.plugin_notes().get('OpenVINOExecutionProvider')}")
+
+
+def test_openvino_runs_f32_graphs_in_f32():
+    """Note [OpenVINO runs f32 graphs in f32]: on a CPU with bf16 units a matmul run in bf16 is off by ~1e-3."""
+    from ortlab.models import MLP
+
+    _needs_openvino()
+    torch.manual_seed(0)
+    eager = MLP()
+    om = ortlab.ORTModule(MLP(), providers=["OpenVINOExecutionProvider"])
+    om.load_state_dict(eager.state_dict())
+    x, y = make_batch("mlp", 64)
+    F.cross_entropy(om(x), y).backward()
+    F.cross_entropy(eager(x), y).backward()
+    torch.testing.assert_close(om(x), eager(x), rtol=1e-4, atol=1e-5)
+    for (name, a), b in zip(om.module.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert "OpenVINOExecutionProvider" in om.report.captures[0].graphs[0].providers
+
+
+def test_a_graph_with_an_empty_input_is_not_built_on_openvino():
+    """Note [OpenVINO and tensors with no elements]: OpenVINO would kill the process."""
+    from torch import nn
+
+    _needs_openvino()
+    torch.manual_seed(0)
+    eager = nn.Embedding(10, 4)
+    om = ortlab.ORTModule(nn.Embedding(10, 4), providers=["OpenVINOExecutionProvider"])
+    om.load_state_dict(eager.state_dict())
+    ids = torch.tensor([3, 1, 4])
+    torch.testing.assert_close(om(ids), eager(ids))
+    # Dynamo captures the empty call as a graph of its own (static shape 0): built on the CPU provider.
+    assert om(torch.tensor([], dtype=torch.long)).shape == (0, 4)
+    notes = [n for c in om.report.captures for g in c.graphs for n in g.notes]
+    assert any("CPUExecutionProvider instead of the pinned OpenVINOExecutionProvider: an input has no elements"
+               in n for n in notes), notes
+    # A graph with a dynamic length (third capture) runs an empty input on OpenVINO without harm.
+    torch.testing.assert_close(om(torch.tensor([1, 2, 3, 4, 5])), eager(torch.tensor([1, 2, 3, 4, 5])))
+    (runner,) = [r for r in _runners(om) if r.input_kinds == ["tensor", "int", "tensor"]]  # (weight, length, ids)
+    assert runner.session.get_providers()[0] == "OpenVINOExecutionProvider"
+    assert runner(om.module.weight.detach(), 0, torch.tensor([], dtype=torch.long))[0].shape == (0, 4)
+    torch.testing.assert_close(om(torch.tensor([4, 2])), eager(torch.tensor([4, 2])))
+
+
+def test_the_race_does_not_measure_openvino_on_an_empty_input():
+    from torch import nn
+
+    _needs_openvino()
+    om = ortlab.ORTModule(nn.Embedding(10, 4))
+    assert om(torch.tensor([], dtype=torch.long)).shape == (0, 4)
+    (note,) = [n for c in om.report.captures for g in c.graphs for n in g.notes if "providers:" in n]
+    assert "OpenVINOExecutionProvider dropped: not measured: an input has no elements" in note
