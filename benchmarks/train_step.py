@@ -220,6 +220,16 @@ def matmul_peak_gflops(n: int = 2048, reps: int = 10) -> float:
     return 2 * n**3 / best / 1e9
 
 
+def _providers_chosen(model: ortlab.ORTModule) -> str:
+    """Each graph's execution provider after the first call's race (``g0.forward CPUExecutionProvider``)."""
+    chosen = []
+    for capture in model.report.captures:
+        for graph in capture.graphs:
+            names = sorted({p.runner.session.get_providers()[0] for p in graph.parts if p.runner.session})
+            chosen.append(f"{graph.label} {'+'.join(names) or 'PyTorch'}")
+    return ", ".join(chosen)
+
+
 def bench_model(
     name: str, contenders: list[str], steps: int, warmup: int, peak: float
 ) -> dict[str, Result]:
@@ -249,6 +259,8 @@ def bench_model(
                 if i == 0:
                     results[c].first_step_ms = ms
             running[c] = (model, opt)
+            if isinstance(model, ortlab.ORTModule):
+                print(f"  {c} providers: {_providers_chosen(model)}")
         except Exception as exc:  # noqa: BLE001 - one failing contender must not stop the others
             fail(c, exc)
 

@@ -147,9 +147,10 @@ def test_fallback_warning_is_emitted_once_per_reason():
     assert len([f for f in om.report.fallbacks if f.op == "aten.gelu"]) == 2
 
 
-def test_bf16_autocast_kernels_missing_in_onnxruntime_fall_back_with_reason():
+def _bf16_step(providers: list[str] | None) -> ortlab.ORTModule:
+    """One autocast-bf16 step of a tiny GPT through ortlab, checked against eager's at bf16 tolerance."""
     eager = tiny_gpt()
-    om = ortlab.ORTModule(copy.deepcopy(eager))
+    om = ortlab.ORTModule(copy.deepcopy(eager), providers=providers)
     idx, tgt = make_batch("gpt", 4, vocab=50, block_size=16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ortlab.FallbackWarning)
@@ -161,8 +162,32 @@ def test_bf16_autocast_kernels_missing_in_onnxruntime_fall_back_with_reason():
     torch.testing.assert_close(loss, ref, rtol=2e-2, atol=2e-2)
     for p, q in zip(eager.parameters(), om.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=2e-2, atol=2e-2)
+    return om
+
+
+def test_bf16_autocast_kernels_missing_in_onnxruntime_fall_back_with_reason():
+    om = _bf16_step(["CPUExecutionProvider"])  # onnxruntime's CPU provider has no bfloat16 MatMul
     reasons = " ".join(f.reason for f in om.report.fallbacks)
     assert "BFLOAT16" in reasons
+
+
+def test_bf16_graphs_run_whole_on_a_provider_with_bf16_kernels():
+    """Note [bfloat16 graphs on the CPU]: where OpenVINO has bf16 kernels (AMX, AVX-512-bf16) the
+    autocast graph runs on it whole; elsewhere the CPU provider's missing kernels fall back."""
+    from ortlab.runtime.providers import bf16_provider
+
+    om = _bf16_step(None)
+    provider = bf16_provider()
+    if provider is None:
+        assert "BFLOAT16" in " ".join(f.reason for f in om.report.fallbacks)
+        return
+    assert not om.report.fallbacks, [f.reason for f in om.report.fallbacks]
+    graphs = om.report.captures[0].graphs
+    assert {g.label.rsplit(".", 1)[-1] for g in graphs} == {"forward", "backward"}
+    for graph in graphs:
+        assert graph.providers.startswith(provider) and "bfloat16 kernels on this CPU" in graph.providers
+        assert all(p.runner.session.get_providers()[0] == provider for p in graph.parts)
+        assert any("CPUExecutionProvider dropped: could not build a session" in n for n in graph.notes), graph.notes
 
 
 def test_unknown_option_and_bad_values_list_valid_choices():

@@ -93,7 +93,7 @@ class PartBuilder:
 
     def __init__(self, ctx: GraphContext, record: GraphRecord, nodes: dict[str, torch.fx.Node]) -> None:
         self.ctx, self.record, self.nodes = ctx, record, nodes
-        self.providers = choose_providers(ctx.device.type, ctx.options)
+        self.providers = choose_providers(ctx.device.type, ctx.options, bf16=_computes_in_bf16(nodes))
         record.providers = f"{', '.join(self.providers.providers)} ({self.providers.reason})"
 
     def reset(self) -> None:
@@ -326,3 +326,12 @@ def _has_empty_input(exported: ExportedGraph) -> bool:
     """Whether an input of the graph has a dimension of size 0 (its shapes are static)."""
     return any(v.shape is not None and any(isinstance(d, int) and d == 0 for d in v.shape)
                for v in exported.model.graph.inputs)
+
+
+def _computes_in_bf16(nodes: dict[str, torch.fx.Node]) -> bool:
+    """Whether a node of the graph makes a bfloat16 tensor (see Note [bfloat16 graphs on the CPU])."""
+    for node in nodes.values():
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype == torch.bfloat16:
+            return True
+    return False

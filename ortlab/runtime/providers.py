@@ -28,7 +28,7 @@ import onnxruntime as ort
 from ortlab._cache_files import writable
 from ortlab.errors import DeviceError, first_line
 
-__all__ = ["PLUGINS", "KnownPlugin", "PluginEP", "plugin", "plugin_eps", "plugin_notes", "is_plugin", "cpu_candidates", "plugin_options"]
+__all__ = ["PLUGINS", "KnownPlugin", "PluginEP", "plugin", "plugin_eps", "plugin_notes", "is_plugin", "cpu_candidates", "plugin_options", "bf16_provider"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,3 +168,13 @@ def plugin(name: str) -> PluginEP:
 def cpu_candidates() -> tuple[list[str], dict[str, str]]:
     """The providers a CPU graph may run on (the CPU provider first), and why the others may not."""
     return ["CPUExecutionProvider", *plugin_eps()], plugin_notes()
+
+
+def bf16_provider() -> str | None:
+    """A plugin provider with bfloat16 kernels on this CPU (OpenVINO where the CPU has AMX or
+    AVX-512-bf16: its device says ``BF16`` among its optimization capabilities), or None."""
+    for name, ep in plugin_eps().items():
+        capabilities = " ".join(str(d.ep_metadata.get("OPTIMIZATION_CAPABILITIES", "")) for d in ep.devices)
+        if "BF16" in capabilities.split():
+            return name
+    return None

@@ -34,6 +34,9 @@ __all__ = ["RaceResult", "make_race", "REPEATS", "RTOL", "ATOL"]
 
 REPEATS = 3
 RTOL, ATOL = 1e-4, 1e-5
+# A bfloat16 or float16 output is compared at its own precision (torch.testing's defaults for
+# the dtype): one rounding step of bfloat16 is 2**-8 relative, far above RTOL.
+LOW_PRECISION_TOLERANCE = {torch.bfloat16: (1.6e-2, 1e-5), torch.float16: (1e-3, 1e-5)}
 
 
 @dataclasses.dataclass
@@ -77,9 +80,10 @@ def _disagreement(reference: list, outputs: list) -> str:
             if a.shape != b.shape or a.dtype != b.dtype:
                 return f"output {i} is {b.dtype}{tuple(b.shape)}, expected {a.dtype}{tuple(a.shape)}"
             if a.is_floating_point():
-                if not torch.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True):
+                rtol, atol = LOW_PRECISION_TOLERANCE.get(a.dtype, (RTOL, ATOL))
+                if not torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
                     diff = (a.float() - b.float()).abs().nan_to_num(0).max().item()
-                    return f"output {i} differs by up to {diff:.3g} (tolerance rtol {RTOL}, atol {ATOL})"
+                    return f"output {i} differs by up to {diff:.3g} (tolerance rtol {rtol}, atol {atol})"
             elif not torch.equal(a, b):
                 return f"output {i} differs (exact match required for {a.dtype})"
         elif a != b:

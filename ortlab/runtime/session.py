@@ -24,7 +24,7 @@ import onnxruntime as ort
 
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import DeviceError, SessionError, first_line
-from ortlab.runtime.providers import cpu_candidates, is_plugin, plugin, plugin_options
+from ortlab.runtime.providers import bf16_provider, cpu_candidates, is_plugin, plugin, plugin_options
 
 __all__ = [
     "SMALL_GRAPH_FLOPS",
@@ -76,8 +76,9 @@ class ThreadChoice:
     reason: str
 
 
-def choose_providers(device_type: str, options: Options) -> ProviderChoice:
-    """Execution providers for a graph whose tensors live on ``device_type``.
+def choose_providers(device_type: str, options: Options, bf16: bool = False) -> ProviderChoice:
+    """Execution providers for a graph whose tensors live on ``device_type`` (``bf16``: it computes
+    in bfloat16, see Note [bfloat16 graphs on the CPU]).
 
     Raises:
         DeviceError: for CUDA tensors without onnxruntime-gpu, or another device type.
@@ -91,6 +92,14 @@ def choose_providers(device_type: str, options: Options) -> ProviderChoice:
         names, notes = cpu_candidates()
         reason = "the graph's tensors are on the CPU" + "".join(f"; not {name}: {note}" for name, note in notes.items())
         others = tuple((name,) for name in names if name != "CPUExecutionProvider")
+        fast_bf16 = bf16_provider() if bf16 else None
+        if fast_bf16 is not None:
+            # Note [bfloat16 graphs on the CPU]
+            reason = (f"the graph computes in bfloat16 and {fast_bf16} has bfloat16 kernels on this CPU "
+                      "(onnxruntime's CPU provider lacks bfloat16 MatMul and Gemm); measured against "
+                      "CPUExecutionProvider on the first call")
+            return ProviderChoice((fast_bf16,), reason, (("CPUExecutionProvider",),)
+                                  + tuple(o for o in others if o[0] != fast_bf16))
         if others:
             reason += f"; measured against {', '.join(o[0] for o in others)} on the first call"
         return ProviderChoice(("CPUExecutionProvider",), reason, others)
@@ -115,6 +124,18 @@ def choose_threads(options: Options, flops: int) -> ThreadChoice:
                                "a thread pool costs more than it saves)")
     return ThreadChoice(None, "onnxruntime's default (one per core)")
 
+
+# Note [bfloat16 graphs on the CPU]
+# Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the captured graph computes its
+# matmuls in bfloat16. onnxruntime's CPU provider has no bfloat16 MatMul or Gemm, so with it
+# first those nodes run in PyTorch (``kernel`` placements) and the graph is cut around
+# each. OpenVINO's CPU plugin has bfloat16 kernels where the CPU has AMX or AVX-512-bf16
+# (its device lists BF16 among OPTIMIZATION_CAPABILITIES): such a graph is built on it
+# first, whole, and the CPU provider is measured against it on the first call like any
+# candidate (it fails to build where it lacks a kernel, and is dropped saying so). Its
+# f32 precision hint stays: the f32 ops autocast keeps in f32 (softmax, layer norm, the
+# loss) must stay f32, and a bfloat16 MatMul runs in bfloat16 with it (the same values as
+# PyTorch's, seen on a Xeon with AMX).
 
 # Note [One CPU arena for all sessions]
 # Each InferenceSession owns a CPU arena by default, which grows to that session's peak
