@@ -6,7 +6,10 @@ in users' scripts), steps alternating A B C A B C, medians:
 * default: ortlab's settings (onnxruntime's intra-op threads = one per core, its idle
   threads do not spin: ``session.intra_op.allow_spinning=0`` in ortlab/runtime/session.py);
 * spin: the same with onnxruntime's threads spinning when idle (onnxruntime's default);
-* ort1thread: one onnxruntime thread per session.
+* ort1thread: one onnxruntime thread per session;
+* omp-spinning: ortlab's settings, but PyTorch's idle OpenMP threads are not released before
+  the sessions run (they spin on the cores the session needs; Note [PyTorch's OpenMP spin and
+  onnxruntime] in ortlab/_openmp.py).
 
 Usage:
     python benchmarks/threads.py gpt 30
@@ -45,10 +48,12 @@ def main(which: str, steps: int) -> None:
         base, draw = GPT(GPTConfig()), (lambda g: make_batch("gpt", 8, g))
     else:
         base, draw = MLP((784, 1024, 1024, 10)), (lambda g: make_batch("mlp", 256, g))
-    variants = {"default": {}, "spin": {"spin": True}, "ort1thread": {"intra_op_num_threads": 1}}
+    variants = {"default": {}, "spin": {"spin": True}, "ort1thread": {"intra_op_num_threads": 1},
+                "omp-spinning": {"keep_omp": True}}
     modules = {}
     for name, cfg in variants.items():
         _SPIN["on"] = cfg.pop("spin", False)
+        keep_omp = cfg.pop("keep_omp", False)
         m = ortlab.ORTModule(copy.deepcopy(base), **cfg)
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(0)
@@ -56,6 +61,11 @@ def main(which: str, steps: int) -> None:
             m(*draw(g)).backward()
             opt.step()
             opt.zero_grad()
+        if keep_omp:
+            for capture in m.report.captures:
+                for graph in capture.graphs:
+                    for part in graph.parts:
+                        part.runner._release_openmp = None
         modules[name] = (m, opt)
     _SPIN["on"] = False
     times: dict[str, list[float]] = {n: [] for n in modules}
