@@ -179,7 +179,10 @@ def test_collect_profile_of_a_profiling_module():
 
 
 def test_profile_window_profiles_only_inside_the_window():
-    om = ortlab.ORTModule(TinyMLP())
+    # Pinned: where OpenVINO runs, the provider race may pick it for a graph this small (by noise),
+    # and its kernels are one compiled subgraph with no module of ours, where this test maps
+    # each kernel to net.0-net.2.
+    om = ortlab.ORTModule(TinyMLP(), providers=["CPUExecutionProvider"])
     _train(om, 1)
     originals = [r.session for _, r, _ in _parts(om)]
     window = ProfileWindow(om)

@@ -184,7 +184,17 @@ def test_the_race_does_not_measure_openvino_on_an_empty_input():
     from torch import nn
 
     _needs_openvino()
-    om = ortlab.ORTModule(nn.Embedding(10, 4))
+    # Two threads: a graph this small is otherwise not measured against plugin providers at all
+    # (Note [Small graphs stay on the CPU provider]).
+    om = ortlab.ORTModule(nn.Embedding(10, 4), intra_op_num_threads=2)
     assert om(torch.tensor([], dtype=torch.long)).shape == (0, 4)
     (note,) = [n for c in om.report.captures for g in c.graphs for n in g.notes if "providers:" in n]
     assert "OpenVINOExecutionProvider dropped: not measured: an input has no elements" in note
+
+
+def test_small_graphs_are_not_measured_against_plugin_providers():
+    _needs_openvino()
+    om = _trained_module()
+    notes = [n for c in om.report.captures for g in c.graphs for n in g.notes if "providers:" in n]
+    assert notes and all("OpenVINOExecutionProvider not measured: a graph this small" in n for n in notes), notes
+    assert all(r.session.get_providers()[0] == "CPUExecutionProvider" for r in _runners(om))
