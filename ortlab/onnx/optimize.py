@@ -14,15 +14,14 @@ graph is correct either way; only speed is lost.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
 import threading
 import time
 
-import onnxscript.optimizer
-
-from ortlab._compat.onnxscript import optimize_without
+from ortlab._compat.onnxscript import optimize
 from ortlab.errors import first_line
 from ortlab.onnx.export import ExportedGraph, bypass_output_identities
 
@@ -77,12 +76,14 @@ def optimize_exported(exported: ExportedGraph) -> OptimizeResult:
     quiet.setLevel(logging.ERROR)
     skipped = ""
     try:
-        slices = sum(1 for node in graph if node.op_type == "Slice")
-        if slices > _MANY_SLICES:  # see Note [onnxscript's optimizer without SlicesSplit] in ortlab._compat
+        sliced = collections.Counter(node.inputs[0] for node in graph if node.op_type == "Slice" and node.inputs)
+        slices = sum(sliced.values())
+        if slices > _MANY_SLICES or not any(n >= 2 for n in sliced.values()):
+            # see Note [onnxscript's optimizer without SlicesSplit] in ortlab._compat
             logger.debug("%s has %d Slice nodes: onnxscript's SlicesSplit rule left out", graph.name, slices)
-            _on_fresh_stack(optimize_without, exported.model, ("SlicesSplit",))
+            _on_fresh_stack(optimize, exported.model, ("SlicesSplit",))
         else:
-            _on_fresh_stack(onnxscript.optimizer.optimize_ir, exported.model)
+            _on_fresh_stack(optimize, exported.model)
         bypass_output_identities(exported.model)
         graph = exported.model.graph
         if [v.name for v in graph.inputs] != names_in or [v.name for v in graph.outputs] != names_out:

@@ -94,12 +94,25 @@ class PartBuilder:
     def __init__(self, ctx: GraphContext, record: GraphRecord, nodes: dict[str, torch.fx.Node]) -> None:
         self.ctx, self.record, self.nodes = ctx, record, nodes
         self.providers = choose_providers(ctx.device.type, ctx.options, bf16=_computes_in_bf16(nodes))
-        record.providers = f"{', '.join(self.providers.providers)} ({self.providers.reason})"
+        record.providers = self._first_choice = f"{', '.join(self.providers.providers)} ({self.providers.reason})"
+        self._decided: dict[str, str] = {}  # part -> provider(s) a measurement chose, and how
+
+    def _decide(self, part: str, chosen: tuple[str, ...], how: str) -> None:
+        """Record that ``part`` runs on ``chosen``: the report's providers line says what runs, not what was
+        built first (a race that swaps in OpenVINO left the line naming the CPU provider)."""
+        self._decided[part] = f"{'+'.join(chosen)} {how}"
+        outcomes = sorted(set(self._decided.values()))
+        if len(outcomes) == 1:
+            now = outcomes[0]
+        else:
+            now = "; ".join(f"{self._label(p)}: {d}" for p, d in sorted(self._decided.items()))
+        self.record.providers = f"{now}; before measuring: {self._first_choice}"
 
     def reset(self) -> None:
         """Forget the parts of a failed attempt (the graph is being split again)."""
         record = self.record
         record.onnx_ops, record.ort_partitions, record.parts = {}, 0, []
+        record.providers, self._decided = self._first_choice, {}
 
     def __call__(self, gm: torch.fx.GraphModule, part: str) -> Callable[..., list]:
         """The callable of one part: its runner, or with an observer, the runner telling it of each call.
@@ -198,6 +211,8 @@ class PartBuilder:
 
         def decided(result: RaceResult) -> None:
             record.notes.append(f"{where} providers: {result.describe()}")
+            if result.chosen:
+                self._decide(part, result.chosen, "(measured fastest on the first call)")
             logger.info("ortlab: %s providers: %s", where, result.describe())
             if entry is not None and result.chosen:
                 store_decision(entry, result.chosen, candidates, result.describe())
@@ -318,6 +333,7 @@ class PartBuilder:
                            cached.output_sources, ctx.device, built.source, cached.guards)
         runner.provenance = cached.provenance
         if decision is not None:
+            self._decide(part, tuple(decision[0]), "(as measured in an earlier process, stored with the cache entry)")
             self.record.notes.append(f"{self._label(part)} providers: {'+'.join(decision[0])}, as measured "
                                      f"in an earlier process and stored with the cache entry ({decision[1]})")
         else:

@@ -82,7 +82,8 @@ def test_a_candidate_that_disagrees_is_dropped():
     def skewed(args):  # noqa: ANN001, ANN202 - the candidate's outputs come out shifted
         calls["n"] += 1
         out = real_run(args)
-        return [o + 1 if calls["n"] > 4 and isinstance(o, torch.Tensor) and o.is_floating_point() else o
+        # the first session runs twice (the call itself, one timed run); the candidate's runs come next
+        return [o + 1 if calls["n"] > 2 and isinstance(o, torch.Tensor) and o.is_floating_point() else o
                 for o in out]
 
     runner.run = skewed
@@ -90,6 +91,37 @@ def test_a_candidate_that_disagrees_is_dropped():
     (result,) = results
     assert "differs by up to" in next(iter(result.dropped.values()))
     assert runner.session_source is source
+
+
+@pytest.mark.parametrize("candidate_s, runs", [(0.005, 1), (0.009, 3)])
+def test_a_clear_winner_is_timed_once_and_close_ones_take_turns(monkeypatch, candidate_s, runs):
+    """Note [How the race times its candidates]: only candidates within CLOSE of the fastest run again."""
+    from ortlab.runtime import race as race_module
+
+    om = _trained_module()
+    runner = _runners(om)[0]
+    source = runner.session_source
+    first_session = runner.session
+    order: list[str] = []
+
+    def fake_time(r, args):  # noqa: ANN001, ANN202 - each session's run takes a fixed time
+        order.append("first" if r.session is first_session else "candidate")
+        r.run(args)
+        return 0.010 if r.session is first_session else candidate_s
+
+    monkeypatch.setattr(race_module, "_time_once", fake_time)
+    results: list[RaceResult] = []
+    runner.race = make_race([dataclasses.replace(source, threads=2 if source.threads != 2 else 1)], results.append)
+    om(make_batch("tiny", 8)[0])
+    (result,) = results
+    assert result.runs == runs
+    if runs == 1:
+        assert order == ["first", "candidate"]
+        assert "one timed run each" in result.describe()
+    else:
+        assert order == ["first", "candidate"] + ["first", "candidate"] * (race_module.REPEATS - 1)
+        assert f"median of {race_module.REPEATS} timed runs" in result.describe()
+    assert runner.session is not first_session and runner.session_source is not source  # the candidate won
 
 
 def test_a_cached_start_uses_the_stored_decision_without_measuring(tmp_path, monkeypatch):
@@ -112,6 +144,10 @@ def test_a_cached_start_uses_the_stored_decision_without_measuring(tmp_path, mon
         expected = first(x)
     (measured,) = notes(first)
     assert "measured fastest" in measured
+    # The report's providers line names the winner, not the provider the session was first built with.
+    winner = measured.split("providers: ", 1)[1].split(" measured", 1)[0]
+    line = first.report.captures[0].graphs[0].providers
+    assert line.startswith(f"{winner} (measured fastest on the first call); before measuring: "), line
     assert list(tmp_path.glob("*.providers.json"))
 
     torch.manual_seed(0)
@@ -123,6 +159,7 @@ def test_a_cached_start_uses_the_stored_decision_without_measuring(tmp_path, mon
     assert all(p.runner.race is None for c in again.report.captures for g in c.graphs for p in g.parts)
     chosen = stored.split("providers: ", 1)[1].split(",", 1)[0]
     assert chosen in ("CPUExecutionProvider", "AzureExecutionProvider")
+    assert again.report.captures[0].graphs[0].providers.startswith(f"{chosen} (as measured in an earlier process")
 
     # Other candidates installed since: the stored decision is not used, the race runs again.
     monkeypatch.setattr(session_module, "cpu_candidates", lambda: (["CPUExecutionProvider"], {}))

@@ -1,0 +1,97 @@
+"""onnxscript's optimizer as ortlab runs it: which rewrite rules, and what they leave."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+import ortlab
+
+from ortlab.onnx.export import ExportedGraph
+from ortlab.onnx.optimize import optimize_exported
+
+
+def _exported(nodes: list, inits: list) -> ExportedGraph:
+    graph = oh.make_graph(
+        nodes, "g",
+        [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 8])],
+        [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 4])],
+        initializer=inits,
+    )
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
+    return ExportedGraph(ir.from_proto(model), ["tensor"], ["tensor"], [None], [None], 0.0)
+
+
+def _const(name: str, values: list[int]) -> onnx.TensorProto:
+    return onnx.numpy_helper.from_array(np.array(values, dtype=np.int64), name)
+
+
+def _run(exported: ExportedGraph, x: np.ndarray) -> np.ndarray:
+    sess = ort.InferenceSession(ir.to_proto(exported.model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+def test_two_slices_of_one_tensor_keep_slices_split(caplog: pytest.LogCaptureFixture) -> None:
+    # rotate_half's pattern (Llama): x[..., :n] and x[..., n:]; SlicesSplit can fire, so it runs.
+    inits = [_const("b0", [0]), _const("e0", [4]), _const("b1", [4]), _const("e1", [8]), _const("ax", [-1])]
+    nodes = [oh.make_node("Slice", ["x", "b0", "e0", "ax"], ["lo"]),
+             oh.make_node("Slice", ["x", "b1", "e1", "ax"], ["hi"]),
+             oh.make_node("Sub", ["hi", "lo"], ["y"])]
+    exported = _exported(nodes, inits)
+    x = np.arange(16, dtype=np.float32).reshape(2, 8)
+    with caplog.at_level(logging.DEBUG, logger="ortlab.onnx.optimize"):
+        result = optimize_exported(exported)
+    assert result.skipped == ""
+    assert "SlicesSplit rule left out" not in caplog.text
+    np.testing.assert_array_equal(_run(exported, x), x[:, 4:] - x[:, :4])
+
+
+def test_a_graph_without_two_slices_of_one_tensor_skips_slices_split(caplog: pytest.LogCaptureFixture) -> None:
+    # The rule's two-output matcher walks the graph even when no Slice pair exists
+    # (Note [onnxscript's optimizer without SlicesSplit]); the other rules still run.
+    inits = [_const("b0", [0]), _const("e0", [4]), _const("ax", [-1]), _const("shape", [2, 4])]
+    nodes = [oh.make_node("Slice", ["x", "b0", "e0", "ax"], ["lo"]),
+             oh.make_node("Reshape", ["lo", "shape"], ["r1"]),
+             oh.make_node("Reshape", ["r1", "shape"], ["y"])]  # ReshapeReshape folds these
+    exported = _exported(nodes, inits)
+    x = np.arange(16, dtype=np.float32).reshape(2, 8)
+    with caplog.at_level(logging.DEBUG, logger="ortlab.onnx.optimize"):
+        result = optimize_exported(exported)
+    assert result.skipped == ""
+    assert "SlicesSplit rule left out" in caplog.text
+    assert [n.op_type for n in exported.model.graph].count("Reshape") <= 1
+    np.testing.assert_array_equal(_run(exported, x), x[:, :4])
+
+
+def test_running_only_the_rules_that_can_fire_leaves_the_graph_of_optimize_ir(tmp_path):
+    """Note [Only the rewrite rules that can fire]: the same graph, node for node, as onnxscript's own
+    optimize_ir on a tiny GPT's exported forward and backward."""
+    import onnxscript.optimizer
+    import torch
+
+    from ortlab._compat.onnxscript import optimize
+    from ortlab.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    om = ortlab.ORTModule(GPT(GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, block_size=16)),
+                          debug_options=ortlab.DebugOptions(save_onnx=True, onnx_prefix="g", save_path=str(tmp_path)))
+    idx = torch.randint(0, 64, (2, 16))
+    om(idx, idx).backward()
+    paths = sorted(tmp_path.glob("g_*_exported_train.onnx"))
+    assert len(paths) == 2, paths
+
+    def nodes(model: ir.Model) -> list:
+        return [(n.op_type, [v.name if v is not None else None for v in n.inputs],
+                 {k: str(a.value) for k, a in n.attributes.items()}) for n in model.graph]
+
+    for path in paths:
+        theirs, ours = ir.load(path), ir.load(path)
+        onnxscript.optimizer.optimize_ir(theirs)
+        optimize(ours)
+        assert nodes(ours) == nodes(theirs), path.name
