@@ -142,3 +142,43 @@ def test_a_stage_folder_that_breaks_after_construction_costs_a_warning_not_onnxr
     assert not om.report.fallbacks
     assert len(om.report.captures) == 1, "no re-capture"
     assert any(r.levelname == "WARNING" and "stage" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_compiles_new_graphs(monkeypatch):
+    """ortlab's worker threads (onnxscript's optimizer, the race's session builder) are not inherited by a
+    forked child; the child made new ones instead of queueing work on a thread that does not exist, which
+    hung it forever (multiprocessing's default start method on Linux is fork)."""
+    import time
+
+    from ortlab.models import make_batch
+    from ortlab.runtime import session as session_module
+
+    # A second candidate that builds everywhere (see test_providers), so the race's builder thread works too.
+    monkeypatch.setattr(session_module, "cpu_candidates",
+                        lambda: (["CPUExecutionProvider", "AzureExecutionProvider"], {}))
+    x, _ = make_batch("tiny", 8)
+    parent = ortlab.ORTModule(TinyMLP().eval())
+    with torch.no_grad():
+        parent(x)  # the parent's workers exist now
+    pid = os.fork()
+    if pid == 0:  # the child: compile a module of its own
+        code = 1
+        try:
+            child = ortlab.ORTModule(TinyMLP().eval())
+            with torch.no_grad():
+                child(x)
+            code = 0 if child.report.captures and not child.report.fallbacks else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 120
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child did not finish compiling in 120 s")
+        time.sleep(0.1)
+    assert os.waitstatus_to_exitcode(status) == 0

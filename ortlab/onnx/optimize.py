@@ -18,6 +18,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import logging
+import os
 import threading
 import time
 
@@ -52,7 +53,7 @@ class OptimizeResult:
 # 0.4 s, with 230,000 page faults (perf: _PyThreadState_BumpFramePointerSlow), and which
 # graph hit a boundary changed with any function added on the way. A thread of its own
 # starts the optimizer at the same shallow depth every time: 0.4 s, whatever the caller.
-_WORKER: list[concurrent.futures.ThreadPoolExecutor] = []
+_WORKER: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # the executor, its process
 # Above this many Slice nodes, SlicesSplit's pairwise search costs more than it can save.
 _MANY_SLICES = 64
 _WORKER_LOCK = threading.Lock()
@@ -61,9 +62,10 @@ _WORKER_LOCK = threading.Lock()
 def _on_fresh_stack(fn, *args):  # noqa: ANN001, ANN002, ANN202
     """``fn(*args)`` on ortlab's optimizer thread (see Note [The optimizer runs on a thread of its own])."""
     with _WORKER_LOCK:
-        if not _WORKER:
-            _WORKER.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ortlab-optimizer"))
-    return _WORKER[0].submit(fn, *args).result()
+        if not _WORKER or _WORKER[0][1] != os.getpid():
+            # A forked child inherits the executor but not its thread: the work would never run.
+            _WORKER[:] = [(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ortlab-optimizer"), os.getpid())]
+    return _WORKER[0][0].submit(fn, *args).result()
 
 
 def optimize_exported(exported: ExportedGraph) -> OptimizeResult:

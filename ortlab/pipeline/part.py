@@ -43,7 +43,7 @@ from ortlab.runtime.kernels import missing_kernels
 from ortlab.runtime.observe import GraphObserver, observed_part
 from ortlab.runtime.providers import is_plugin
 from ortlab.runtime.runner import OrtRunner
-from ortlab.runtime.race import RaceResult, make_race
+from ortlab.runtime.race import RaceResult, make_race, prebuild
 from ortlab.runtime.session import (
     BuiltSession,
     ThreadChoice,
@@ -217,7 +217,10 @@ class PartBuilder:
             if entry is not None and result.chosen:
                 store_decision(entry, result.chosen, candidates, result.describe())
 
-        runner.race = make_race(sources, decided)
+        # Note [Candidates build while the graph is still being compiled] in ortlab.runtime.race; not where a
+        # static input has no elements, on which OpenVINO's compiler kills the process (the race drops it).
+        static_empty = any(0 in [d for d in i.shape if isinstance(d, int)] for i in runner.session.get_inputs())
+        runner.race = make_race(sources, decided, prebuilt=None if static_empty else prebuild(sources))
 
     def _label(self, part: str) -> str:
         return label(self.ctx.capture, self.record.name, part)

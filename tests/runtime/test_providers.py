@@ -235,3 +235,39 @@ def test_small_graphs_are_not_measured_against_plugin_providers():
     notes = [n for c in om.report.captures for g in c.graphs for n in g.notes if "providers:" in n]
     assert notes and all("OpenVINOExecutionProvider not measured: a graph this small" in n for n in notes), notes
     assert all(r.session.get_providers()[0] == "CPUExecutionProvider" for r in _runners(om))
+
+
+def test_candidates_build_on_the_builder_thread_before_the_first_call(monkeypatch):
+    """Note [Candidates build while the graph is still being compiled]: the race measures the session the
+    builder thread made, and a build that fails there is dropped with its reason."""
+    import threading
+
+    from ortlab.runtime import race as race_module
+    from ortlab.runtime import session as session_module
+    from ortlab.runtime.session import SessionSource
+
+    monkeypatch.setattr(session_module, "cpu_candidates",
+                        lambda: (["CPUExecutionProvider", "AzureExecutionProvider"], {}))
+    threads: list[str] = []
+    real = SessionSource.rebuild
+
+    def rebuild(self, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        threads.append(threading.current_thread().name)
+        if self.providers[0] == "AzureExecutionProvider" and fail:
+            raise RuntimeError("no such device")
+        return real(self, **kwargs)
+
+    monkeypatch.setattr(SessionSource, "rebuild", rebuild)
+    for fail in (False, True):
+        threads.clear()
+        om = ortlab.ORTModule(TinyMLP().eval())
+        x, _ = make_batch("tiny", 8)
+        with torch.no_grad():
+            om(x)
+        assert threads and all(name.startswith("ortlab-race-build") for name in threads), threads
+        assert not race_module._BUILDING
+        (note,) = [n for g in om.report.captures[0].graphs for n in g.notes if "providers:" in n]
+        if fail:
+            assert "AzureExecutionProvider dropped: could not build a session: RuntimeError: no such device" in note
+        else:
+            assert "measured fastest" in note and "dropped" not in note
