@@ -109,8 +109,10 @@ class GraphRecord:
     onnx_ops: dict[str, int] = dataclasses.field(default_factory=dict)
     ort_partitions: int = 0
     torch_nodes: int = 0
-    export_s: float = 0.0
+    export_s: float = 0.0  # torch.onnx's translation and onnxscript's optimizer (optimize_s of it)
     session_s: float = 0.0
+    optimize_s: float = 0.0
+    race_s: float = 0.0  # measuring the candidate providers on the first call (Note in ortlab.runtime.race)
     providers: str = ""
     threads: str = ""
     cached: int = 0
@@ -256,7 +258,8 @@ class Report:
                 lines.append(
                     f"  {g.name:<10} {sum(g.fx_ops.values()):>5} aten ops -> {sum(g.onnx_ops.values()):>5} ONNX ops "
                     f"in {g.ort_partitions} onnxruntime part(s), {g.torch_nodes} PyTorch op(s); "
-                    f"export {g.export_s:.2f} s, session {g.session_s:.2f} s"
+                    f"export {g.export_s:.2f} s (onnxscript's optimizer {g.optimize_s:.2f} s), "
+                    f"session {g.session_s:.2f} s" + (f", measuring providers {g.race_s:.2f} s" if g.race_s else "")
                     + (f" ({g.cached} from the on-disk cache)" if g.cached else "")
                 )
                 if top:

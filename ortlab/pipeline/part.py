@@ -157,6 +157,7 @@ class PartBuilder:
         if ctx.options.graph_optimization_level != "disable":
             optimized = optimize_exported(exported)
             record.export_s += optimized.seconds
+            record.optimize_s += optimized.seconds
             if optimized.skipped:  # the model may be half-optimized: export it again, run it as exported
                 record.notes.append(f"{onnx_name} runs as exported: {optimized.skipped}")
                 exported = export_graph(gm, onnx_name, guard_indices=guard)
@@ -211,6 +212,7 @@ class PartBuilder:
 
         def decided(result: RaceResult) -> None:
             record.notes.append(f"{where} providers: {result.describe()}")
+            record.race_s += result.seconds
             if result.chosen:
                 self._decide(part, result.chosen, "(measured fastest on the first call)")
             logger.info("ortlab: %s providers: %s", where, result.describe())

@@ -147,6 +147,9 @@ def test_a_cached_start_uses_the_stored_decision_without_measuring(tmp_path, mon
     # The report's providers line names the winner, not the provider the session was first built with.
     winner = measured.split("providers: ", 1)[1].split(" measured", 1)[0]
     line = first.report.captures[0].graphs[0].providers
+    graph = first.report.captures[0].graphs[0]
+    assert graph.race_s > 0 and 0 < graph.optimize_s <= graph.export_s
+    assert f"measuring providers {graph.race_s:.2f} s" in str(first.report)
     assert line.startswith(f"{winner} (measured fastest on the first call); before measuring: "), line
     assert list(tmp_path.glob("*.providers.json"))
 
