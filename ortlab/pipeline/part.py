@@ -217,7 +217,13 @@ class PartBuilder:
                 self._decide(part, result.chosen, "(measured fastest on the first call)")
             logger.info("ortlab: %s providers: %s", where, result.describe())
             if entry is not None and result.chosen:
-                store_decision(entry, result.chosen, candidates, result.describe())
+                # Note [Stored provider decisions]: a plugin winner built from the exported model (not from the
+                # entry's, which a cache hit loads at level "disable") keeps that model with the decision.
+                won = runner.session_source
+                own = (won is not None and is_plugin(result.chosen[0]) and won.level != "disable"
+                       and isinstance(won.model, bytes))
+                store_decision(entry, result.chosen, candidates, result.describe(),
+                               model=won.model if own else None, level=won.level if own else None)
 
         # Note [Candidates build while the graph is still being compiled] in ortlab.runtime.race; not where a
         # static input has no elements, on which OpenVINO's compiler kills the process (the race drops it).
@@ -317,11 +323,15 @@ class PartBuilder:
             return None
         ctx = self.ctx
         decision = load_decision(entry, self._all_candidates()) if self.providers.candidates else None
-        providers = decision[0] if decision is not None else self.providers.providers
+        providers = decision.chosen if decision is not None else self.providers.providers
         try:
-            # Already optimized by onnxruntime when it was stored.
-            built = build_session(cached.data, ctx.options, ctx.debug, device_type=ctx.device.type,
-                                  providers=providers, threads=threads, level="disable")
+            if decision is not None and decision.model is not None:
+                # The model the winner ran when it was measured (Note [Stored provider decisions]).
+                built = build_session(decision.model, ctx.options, ctx.debug, device_type=ctx.device.type,
+                                      providers=providers, threads=threads, level=decision.level)
+            else:  # already optimized by onnxruntime when it was stored
+                built = build_session(cached.data, ctx.options, ctx.debug, device_type=ctx.device.type,
+                                      providers=providers, threads=threads, level="disable")
         except SessionError as e:
             drop_entry(entry, first_line(e))
             return None
@@ -331,16 +341,17 @@ class PartBuilder:
             return None
         self.record.session_s += built.seconds
         self.record.cached += 1
+        loaded = decision.model if decision is not None and decision.model is not None else cached.data
         if ctx.stages.wants("execution"):
-            ctx.stages.emit(self._artifact("execution", part, cached.data, built.seconds))
-        self._count(count_ops(onnx.load_from_string(cached.data)))
+            ctx.stages.emit(self._artifact("execution", part, loaded, built.seconds))
+        self._count(count_ops(onnx.load_from_string(loaded)))
         runner = OrtRunner(built.session, cached.input_kinds, cached.output_kinds, cached.output_dtypes,
                            cached.output_sources, ctx.device, built.source, cached.guards)
         runner.provenance = cached.provenance
         if decision is not None:
-            self._decide(part, tuple(decision[0]), "(as measured in an earlier process, stored with the cache entry)")
-            self.record.notes.append(f"{self._label(part)} providers: {'+'.join(decision[0])}, as measured "
-                                     f"in an earlier process and stored with the cache entry ({decision[1]})")
+            self._decide(part, decision.chosen, "(as measured in an earlier process, stored with the cache entry)")
+            self.record.notes.append(f"{self._label(part)} providers: {'+'.join(decision.chosen)}, as measured "
+                                     f"in an earlier process and stored with the cache entry ({decision.described})")
         else:
             self._race(runner, part, entry)
         self.record.parts.append(PartRecord(part, self._label(part), runner, None, "execution"))

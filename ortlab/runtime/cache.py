@@ -117,12 +117,13 @@ class CacheEntry:
         self.model_path = os.path.join(folder, f"{key}.onnx")
         self.meta_path = os.path.join(folder, f"{key}.json")
         self.providers_path = os.path.join(folder, f"{key}.providers.json")
+        self.providers_model_path = os.path.join(folder, f"{key}.providers.onnx")
 
     def exists(self) -> bool:
         return os.path.lexists(self.model_path) and os.path.lexists(self.meta_path)
 
     def remove(self) -> None:
-        for path in (self.model_path, self.meta_path, self.providers_path):
+        for path in (self.model_path, self.meta_path, self.providers_path, self.providers_model_path):
             discard(path)
 
 
@@ -332,31 +333,69 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
 # is stored beside the entry (``{key}.providers.json``), with the candidates it was made
 # among, so a later process that loads the entry builds the winner's session directly. A
 # decision made among other candidates (a provider installed or removed since) is not
-# used: the race runs again. The file only ever names a provider to use, never code or a
-# model, so a damaged one costs a measurement, not a wrong result.
+# used: the race runs again. A damaged decision costs a measurement, not a wrong result.
+#
+# The entry's model is the one onnxruntime optimized for the session built first (the CPU
+# provider's, with its fused ``com.microsoft`` ops). A plugin provider that won measured
+# another model: the exported one, which it compiles itself. Built on the CPU provider's
+# model instead, a cached start ran a different graph than the one measured (the GPT's step
+# 2-3% slower) and OpenVINO's compiled-model cache missed (its key is the model), so the
+# first cached start compiled again (0.25 s). So a plugin winner's own model is stored
+# beside the decision (``{key}.providers.onnx``) with its SHA-256 and the optimization level
+# it was built at; a model whose checksum does not match is not used (the race runs again),
+# and its session's inputs and outputs are checked like the entry's.
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredDecision:
+    """A race's winner for an entry, how it was measured, and the model it ran (None: the entry's own)."""
+
+    chosen: tuple[str, ...]
+    described: str
+    model: bytes | None = None
+    level: str | None = None
 
 
 def store_decision(entry: CacheEntry, chosen: tuple[str, ...], candidates: list[tuple[str, ...]],
-                   described: str) -> None:
-    """Keep a race's winner for ``entry`` (see Note [Stored provider decisions])."""
-    data = {"chosen": list(chosen), "candidates": sorted(list(c) for c in candidates), "described": described}
+                   described: str, model: bytes | None = None, level: str | None = None) -> None:
+    """Keep a race's winner for ``entry``, and the model it ran when not the entry's (see Note [Stored
+    provider decisions])."""
+    data: dict[str, Any] = {"chosen": list(chosen), "candidates": sorted(list(c) for c in candidates),
+                            "described": described}
+    if model is not None:
+        data.update(model_sha256=_digest(model), level=level)
     try:
         if writable(entry.folder):
-            write_atomic(entry.providers_path, json.dumps(data).encode())
+            with folder_lock(entry.folder):
+                if model is not None:
+                    write_atomic(entry.providers_model_path, model)
+                write_atomic(entry.providers_path, json.dumps(data).encode())
     except OSError as e:
         note_write_failure(entry.folder, e)
 
 
-def load_decision(entry: CacheEntry, candidates: list[tuple[str, ...]]) -> tuple[tuple[str, ...], str] | None:
-    """The stored winner for ``entry`` and how it was measured, if it was chosen among ``candidates``."""
+def load_decision(entry: CacheEntry, candidates: list[tuple[str, ...]]) -> StoredDecision | None:
+    """The stored winner for ``entry`` and how it was measured, if it was chosen among ``candidates`` (and its
+    model, when one is stored and matches its checksum)."""
     try:
         data = json.loads(read_file(entry.providers_path))
         chosen = tuple(data["chosen"])
         stored = sorted(list(c) for c in data["candidates"])
         described = str(data["described"])
+        model, level = None, None
+        if "model_sha256" in data:
+            level = data["level"]
+            if level is not None and not isinstance(level, str):
+                return None
+            with folder_lock(entry.folder):
+                model = read_file(entry.providers_model_path)
+            if _digest(model) != data["model_sha256"]:
+                logger.warning("ortlab: the model stored with %s does not match its checksum; the providers are "
+                               "measured again", entry.providers_path)
+                return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     wanted = sorted(list(c) for c in candidates)
     if stored != wanted or list(chosen) not in wanted or not all(isinstance(n, str) for n in chosen):
         return None
-    return chosen, described
+    return StoredDecision(chosen, described, model, level)

@@ -274,3 +274,50 @@ def test_candidates_build_on_the_builder_thread_before_the_first_call(monkeypatc
             assert "AzureExecutionProvider dropped: could not build a session: RuntimeError: no such device" in note
         else:
             assert "measured fastest" in note and "dropped" not in note
+
+
+def test_a_plugin_winner_keeps_the_model_it_ran_with_the_cache_entry(tmp_path, monkeypatch):
+    """Note [Stored provider decisions]: a cached start builds OpenVINO on the model it was measured on (the
+    exported one), not on the CPU provider's optimized entry; a stored model that fails its checksum is not
+    used."""
+    from ortlab.models import MLP
+    from ortlab.runtime import race as race_module
+
+    _needs_openvino()
+    real_time_once = race_module._time_once
+
+    def openvino_wins(runner, args):  # noqa: ANN001, ANN202
+        seconds = real_time_once(runner, args)
+        return seconds / 10 if runner.session.get_providers()[0] == "OpenVINOExecutionProvider" else seconds
+
+    monkeypatch.setattr(race_module, "_time_once", openvino_wins)
+    x, y = make_batch("mlp", 64)
+
+    def trained(**kwargs) -> tuple[ortlab.ORTModule, list]:
+        torch.manual_seed(0)
+        om = ortlab.ORTModule(MLP(), cache_dir=str(tmp_path), **kwargs)
+        F.cross_entropy(om(x), y).backward()
+        return om, [p.grad for p in om.parameters()]
+
+    first, grads = trained()
+    runners = _runners(first)
+    if not all(r.session.get_providers()[0] == "OpenVINOExecutionProvider" for r in runners):
+        pytest.skip("the MLP's graphs are not raced against OpenVINO here (single-threaded)")
+    stored = sorted(tmp_path.glob("*.providers.onnx"))
+    assert len(stored) == 2
+    exported = {r.session_source.model for r in runners}
+    assert {p.read_bytes() for p in stored} == exported  # the models OpenVINO was measured on
+
+    again, again_grads = trained()
+    for r in _runners(again):
+        assert r.session.get_providers()[0] == "OpenVINOExecutionProvider"
+        assert r.session_source.model in exported and r.session_source.level != "disable"
+    for a, b in zip(grads, again_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+    stored[0].write_bytes(stored[0].read_bytes()[:-8] + b"\0" * 8)  # a damaged model: measured again
+    third, third_grads = trained()
+    notes = [n for c in third.report.captures for g in c.graphs for n in g.notes if "providers:" in n]
+    assert any("measured fastest" in n for n in notes) and any("earlier process" in n for n in notes)
+    for a, b in zip(grads, third_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
