@@ -419,10 +419,21 @@ def test_timeline_shows_inline(lab, browser):
     page.mouse.down()
     page.mouse.move(box["x"] + spots["to"]["x"] + 2, box["y"] + spots["to"]["y"], steps=8)
     page.mouse.up()
-    page.wait_for_timeout(1000)
-    spots = page.evaluate(where)
-    # Hover the kernel; on a busy machine plotly may miss one move: nudge and try again.
+    # Let the zoom's redraw settle (a busy machine takes seconds): the same x range twice, 0.3 s apart.
+    settled = ("() => { const plots = document.querySelectorAll('.js-plotly-plot');"
+               " return JSON.stringify(plots[plots.length - 1]._fullLayout.xaxis.range); }")
+    last = None
+    for _ in range(40):
+        page.wait_for_timeout(300)
+        now = page.evaluate(settled)
+        if now == last:
+            break
+        last = now
+    # Hover the kernel; on a busy machine plotly may miss one move: nudge and try again. The plot's
+    # box and the kernel's spot are read again each time: the redraw can move the page.
     for nudge in (0, 1, -1, 2, -2, 0):
+        plot.scroll_into_view_if_needed()
+        box, spots = plot.bounding_box(), page.evaluate(where)
         page.mouse.move(box["x"] + spots["kernel"]["x"] + nudge, box["y"] + spots["kernel"]["y"], steps=4)
         try:
             page.locator(".hoverlayer .hovertext").first.wait_for(state="attached", timeout=5_000)
