@@ -107,6 +107,7 @@ class OrtRunner:
         self._no_data_ptr = self._no_data.data_ptr()
         self._out_devices = [self._ort_device] * len(self.output_names)
         self._run_options = RunOptions()
+        self._shrink = False  # the next run gives the arena's free regions back (shrink_arena_on_next_run)
         # While a timeline is recorded: the name of the ``torch.profiler.record_function`` span
         # each session run is wrapped in (see Note [One time axis for PyTorch and onnxruntime]
         # in ``ortlab.inspect.timeline_record``); None otherwise, at the cost of one test a call.
@@ -171,6 +172,17 @@ class OrtRunner:
         self.session, self._sess = session, session_core(session)
         return old
 
+    def shrink_arena_on_next_run(self) -> None:
+        """Let the next run give the CPU arena's wholly free regions back to the system (once).
+
+        See Note [The race's memory goes back after it] in ``ortlab.runtime.race``.
+        """
+        if self.device.type != "cpu":
+            return
+        options = RunOptions()
+        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        self._run_options, self._shrink = options, True
+
     def _as_tensor(self, value: object, kind: str) -> torch.Tensor:
         if kind == "tensor":
             # No detach(): onnxruntime only reads the pointer, and detach costs ~15 us a tensor.
@@ -219,6 +231,8 @@ class OrtRunner:
                 self._sess.run_with_ortvaluevector(
                     self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
                 )
+        if self._shrink:
+            self._run_options, self._shrink = RunOptions(), False
         produced = iter(outputs.to_dlpacks(from_dlpack_capsule))
         result: list = []
         for kind, dtype, source in zip(self.output_kinds, self.output_dtypes, self.output_sources):

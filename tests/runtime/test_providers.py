@@ -321,3 +321,29 @@ def test_a_plugin_winner_keeps_the_model_it_ran_with_the_cache_entry(tmp_path, m
     assert any("measured fastest" in n for n in notes) and any("earlier process" in n for n in notes)
     for a, b in zip(grads, third_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_after_a_race_the_next_run_gives_the_arena_back_once(monkeypatch):
+    """Note [The race's memory goes back after it]: the run after a race carries onnxruntime's arena-shrink
+    option, and the runs after it do not."""
+    from ortlab.runtime import session as session_module
+
+    monkeypatch.setattr(session_module, "cpu_candidates",
+                        lambda: (["CPUExecutionProvider", "AzureExecutionProvider"], {}))
+    om = ortlab.ORTModule(TinyMLP().eval())
+    x, _ = make_batch("tiny", 8)
+    seen: list[str] = []
+    with torch.no_grad():
+        om(x)  # the race
+        (runner,) = _runners(om)
+        real = runner._sess.run_with_ortvaluevector
+
+        def spy(options, *args):  # noqa: ANN001, ANN002, ANN202
+            seen.append(options.get_run_config_entry("memory.enable_memory_arena_shrinkage")
+                        if runner._shrink else "")
+            return real(options, *args)
+
+        runner._sess = type("Spy", (), {"run_with_ortvaluevector": staticmethod(spy)})()
+        first, second = om(x), om(x)
+    assert seen == ["cpu:0", ""]
+    torch.testing.assert_close(first, second)
