@@ -18,7 +18,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "ortlab"
 
 # Lowest first. A module's layer is that of the longest prefix listed here.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("ortlab._compat", "ortlab.errors", "ortlab.config", "ortlab._openmp", "ortlab._versions", "ortlab._cache_files"),
+    ("ortlab._compat", "ortlab.errors", "ortlab.config", "ortlab._openmp", "ortlab._versions", "ortlab._cache_files",
+     "ortlab._workers"),
     ("ortlab.provenance", "ortlab.sizes", "ortlab.stages", "ortlab.torchlib", "ortlab.report", "ortlab.artifacts"),
     ("ortlab.capture",),
     ("ortlab.partition",),

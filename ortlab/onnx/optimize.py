@@ -15,14 +15,12 @@ graph is correct either way; only speed is lost.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import logging
-import os
-import threading
 import time
 
 from ortlab._compat.onnxscript import optimize
+from ortlab._workers import worker
 from ortlab.errors import first_line
 from ortlab.onnx.export import ExportedGraph, bypass_output_identities
 
@@ -53,19 +51,13 @@ class OptimizeResult:
 # 0.4 s, with 230,000 page faults (perf: _PyThreadState_BumpFramePointerSlow), and which
 # graph hit a boundary changed with any function added on the way. A thread of its own
 # starts the optimizer at the same shallow depth every time: 0.4 s, whatever the caller.
-_WORKER: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # the executor, its process
 # Above this many Slice nodes, SlicesSplit's pairwise search costs more than it can save.
 _MANY_SLICES = 64
-_WORKER_LOCK = threading.Lock()
 
 
 def _on_fresh_stack(fn, *args):  # noqa: ANN001, ANN002, ANN202
     """``fn(*args)`` on ortlab's optimizer thread (see Note [The optimizer runs on a thread of its own])."""
-    with _WORKER_LOCK:
-        if not _WORKER or _WORKER[0][1] != os.getpid():
-            # A forked child inherits the executor but not its thread: the work would never run.
-            _WORKER[:] = [(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ortlab-optimizer"), os.getpid())]
-    return _WORKER[0][0].submit(fn, *args).result()
+    return worker("optimizer").submit(fn, *args).result()
 
 
 def optimize_exported(exported: ExportedGraph) -> OptimizeResult:

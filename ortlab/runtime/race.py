@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ortlab._workers import worker
 from ortlab.errors import first_line
 from ortlab.runtime.providers import is_plugin
 from ortlab.runtime.session import SessionSource
@@ -141,21 +142,20 @@ def _disagreement(reference: list, outputs: list) -> str:
 # call runs; a race waits for every build in flight (its own and other parts') before its
 # first timed run, so no build shares the cores with a run being timed. A build that fails
 # is recorded as before. Measured on the GPT's first step: the two races 1.55 -> 1.3 s.
-_BUILDER: list[tuple[concurrent.futures.ThreadPoolExecutor, int]] = []  # the executor, its process
 _BUILDER_LOCK = threading.Lock()
 _BUILDING: set[concurrent.futures.Future] = set()  # every module's builds in flight: a race waits for all
+_BUILDING_PID = [os.getpid()]
 
 
 def prebuild(candidates: Sequence[SessionSource]) -> list[concurrent.futures.Future]:
     """Start building each candidate's session on ortlab's builder thread (see the Note above)."""
+    builder = worker("race-build")  # a forked child gets its own (ortlab._workers)
     with _BUILDER_LOCK:
-        if not _BUILDER or _BUILDER[0][1] != os.getpid():
-            # A forked child inherits the executor but not its thread: its work would never run.
-            _BUILDER[:] = [(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ortlab-race-build"),
-                            os.getpid())]
+        if _BUILDING and _BUILDING_PID[0] != os.getpid():  # a parent's builds never finish here
             _BUILDING.clear()
+        _BUILDING_PID[0] = os.getpid()
         # quiet: a failure is recorded by the race, not printed by onnxruntime
-        futures = [_BUILDER[0][0].submit(source.rebuild, quiet=True) for source in candidates]
+        futures = [builder.submit(source.rebuild, quiet=True) for source in candidates]
         _BUILDING.update(futures)
     for future in futures:
         future.add_done_callback(_done)
