@@ -18,6 +18,7 @@ see ``ortlab.runtime.profiling``) and swap it in between calls with
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -51,6 +52,26 @@ _ONNX_NP = {f"tensor({name})": dtype for name, dtype in (
     ("int64", np.dtype(np.int64)), ("int32", np.dtype(np.int32)), ("int16", np.dtype(np.int16)),
     ("int8", np.dtype(np.int8)), ("uint8", np.dtype(np.uint8)), ("bool", np.dtype(np.bool_)))}
 _NP_TORCH = {v: k for k, v in _NP_DTYPES.items()}
+
+
+_TRIM: list = []
+
+
+def give_back_freed_heap() -> None:
+    """glibc's ``malloc_trim(0)``: the C heap hands the pages of its free lists back to the system.
+
+    Called once after a provider race (Note [The race's memory goes back after it] in
+    ``ortlab.runtime.race``): the export's and the losing sessions' freed memory stays in
+    glibc's free lists otherwise (the GPT on the Xeon: steady RSS 876 -> 754 MiB). A no-op
+    without glibc.
+    """
+    if not _TRIM:
+        try:
+            _TRIM.append(ctypes.CDLL(None).malloc_trim)
+        except (OSError, AttributeError):  # not glibc (macOS, Windows, musl)
+            _TRIM.append(None)
+    if _TRIM[0] is not None:
+        _TRIM[0](0)
 
 
 class OrtRunner:
@@ -233,6 +254,7 @@ class OrtRunner:
                 )
         if self._shrink:
             self._run_options, self._shrink = RunOptions(), False
+            give_back_freed_heap()
         produced = iter(outputs.to_dlpacks(from_dlpack_capsule))
         result: list = []
         for kind, dtype, source in zip(self.output_kinds, self.output_dtypes, self.output_sources):

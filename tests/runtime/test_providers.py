@@ -325,8 +325,12 @@ def test_a_plugin_winner_keeps_the_model_it_ran_with_the_cache_entry(tmp_path, m
 
 def test_after_a_race_the_next_run_gives_the_arena_back_once(monkeypatch):
     """Note [The race's memory goes back after it]: the run after a race carries onnxruntime's arena-shrink
-    option, and the runs after it do not."""
+    option and trims the C heap, and the runs after it do neither."""
+    from ortlab.runtime import runner as runner_module
     from ortlab.runtime import session as session_module
+
+    trims: list[int] = []
+    monkeypatch.setattr(runner_module, "give_back_freed_heap", lambda: trims.append(1))
 
     monkeypatch.setattr(session_module, "cpu_candidates",
                         lambda: (["CPUExecutionProvider", "AzureExecutionProvider"], {}))
@@ -346,4 +350,12 @@ def test_after_a_race_the_next_run_gives_the_arena_back_once(monkeypatch):
         runner._sess = type("Spy", (), {"run_with_ortvaluevector": staticmethod(spy)})()
         first, second = om(x), om(x)
     assert seen == ["cpu:0", ""]
+    assert len(trims) == 1
     torch.testing.assert_close(first, second)
+
+
+def test_giving_back_the_freed_heap_is_safe_to_call():
+    from ortlab.runtime.runner import give_back_freed_heap
+
+    give_back_freed_heap()
+    give_back_freed_heap()
