@@ -204,6 +204,24 @@ class OrtRunner:
         options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._run_options, self._shrink = options, True
 
+    def _shrinking_run(self, inputs: OrtValueVector) -> OrtValueVector:
+        """The run that gives memory back (``shrink_arena_on_next_run``). onnxruntime refuses the
+        shrink where the session's CPU allocator is not an arena; the run is then made without it:
+        giving memory back must never fail a training step."""
+        shrink, self._run_options, self._shrink = self._run_options, RunOptions(), False
+        outputs = OrtValueVector()
+        try:
+            self._sess.run_with_ortvaluevector(
+                shrink, self.input_names, inputs, self.output_names, outputs, self._out_devices
+            )
+        except Exception:  # noqa: BLE001 - retried plainly; a real failure raises again below
+            outputs = OrtValueVector()
+            self._sess.run_with_ortvaluevector(
+                self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
+            )
+        give_back_freed_heap()
+        return outputs
+
     def _as_tensor(self, value: object, kind: str) -> torch.Tensor:
         if kind == "tensor":
             # No detach(): onnxruntime only reads the pointer, and detach costs ~15 us a tensor.
@@ -243,7 +261,9 @@ class OrtRunner:
         outputs = OrtValueVector()
         if self._release_openmp is not None:
             self._release_openmp()
-        if self.span is None:
+        if self._shrink:
+            outputs = self._shrinking_run(inputs)
+        elif self.span is None:
             self._sess.run_with_ortvaluevector(
                 self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
             )
@@ -252,9 +272,6 @@ class OrtRunner:
                 self._sess.run_with_ortvaluevector(
                     self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
                 )
-        if self._shrink:
-            self._run_options, self._shrink = RunOptions(), False
-            give_back_freed_heap()
         produced = iter(outputs.to_dlpacks(from_dlpack_capsule))
         result: list = []
         for kind, dtype, source in zip(self.output_kinds, self.output_dtypes, self.output_sources):
