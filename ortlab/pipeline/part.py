@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import onnx
 import torch
@@ -227,7 +227,7 @@ class PartBuilder:
 
         # Note [Candidates build while the graph is still being compiled] in ortlab.runtime.race; not where a
         # static input has no elements, on which OpenVINO's compiler kills the process (the race drops it).
-        static_empty = any(0 in [d for d in i.shape if isinstance(d, int)] for i in runner.session.get_inputs())
+        static_empty = _has_empty_input(i.shape for i in runner.session.get_inputs())
         runner.race = make_race(sources, decided, prebuilt=None if static_empty else prebuild(sources))
 
     def _label(self, part: str) -> str:
@@ -249,7 +249,7 @@ class PartBuilder:
         temp = None
 
         providers = self.providers.providers
-        if providers and is_plugin(providers[0]) and _has_empty_input(exported):
+        if providers and is_plugin(providers[0]) and _has_empty_input(v.shape for v in exported.model.graph.inputs):
             # Note [OpenVINO and tensors with no elements]
             self.record.notes.append(f"{self._label(part)} providers: CPUExecutionProvider instead of the pinned "
                                      f"{providers[0]}: an input has no elements, on which it would crash the process")
@@ -374,10 +374,9 @@ class PartBuilder:
 # says so), and the provider race does not measure plugin providers on inputs with no
 # elements (``ortlab.runtime.race``). A graph with a dynamic dimension that is 0 at run
 # time runs on OpenVINO without harm (tests/runtime/test_providers.py).
-def _has_empty_input(exported: ExportedGraph) -> bool:
-    """Whether an input of the graph has a dimension of size 0 (its shapes are static)."""
-    return any(v.shape is not None and any(isinstance(d, int) and d == 0 for d in v.shape)
-               for v in exported.model.graph.inputs)
+def _has_empty_input(shapes: Iterable[Sequence[object] | None]) -> bool:
+    """Whether one of a graph's input shapes (ONNX IR values' or a session's inputs') has a static 0 dimension."""
+    return any(shape is not None and any(isinstance(d, int) and d == 0 for d in shape) for shape in shapes)
 
 
 def _computes_in_bf16(nodes: dict[str, torch.fx.Node]) -> bool:

@@ -198,17 +198,15 @@ class OrtRunner:
 
         See Note [The race's memory goes back after it] in ``ortlab.runtime.race``.
         """
-        if self.device.type != "cpu":
-            return
-        options = RunOptions()
-        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-        self._run_options, self._shrink = options, True
+        self._shrink = self.device.type == "cpu"
 
     def _shrinking_run(self, inputs: OrtValueVector) -> OrtValueVector:
         """The run that gives memory back (``shrink_arena_on_next_run``). onnxruntime refuses the
         shrink where the session's CPU allocator is not an arena; the run is then made without it:
         giving memory back must never fail a training step."""
-        shrink, self._run_options, self._shrink = self._run_options, RunOptions(), False
+        self._shrink = False
+        shrink = RunOptions()
+        shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         outputs = OrtValueVector()
         try:
             self._sess.run_with_ortvaluevector(
