@@ -209,17 +209,21 @@ class PartBuilder:
                 return
         sources = [dataclasses.replace(source, providers=c) for c in candidates]
         where, record, candidates = self._label(part), self.record, self._all_candidates()
+        first = runner.session_source
 
         def decided(result: RaceResult) -> None:
             record.notes.append(f"{where} providers: {result.describe()}")
             record.race_s += result.seconds
             if result.chosen:
                 self._decide(part, result.chosen, "(measured fastest on the first call)")
+            won = runner.session_source
+            if won is not first and isinstance(won.model, bytes) and self.ctx.stages.wants("execution"):
+                # The execution stage was the first session's optimized model; the winner runs its own.
+                self.ctx.stages.emit(self._artifact("execution", part, won.model, result.seconds))
             logger.info("ortlab: %s providers: %s", where, result.describe())
             if entry is not None and result.chosen:
                 # Note [Stored provider decisions]: a plugin winner built from the exported model (not from the
                 # entry's, which a cache hit loads at level "disable") keeps that model with the decision.
-                won = runner.session_source
                 own = (won is not None and is_plugin(result.chosen[0]) and won.level != "disable"
                        and isinstance(won.model, bytes))
                 store_decision(entry, result.chosen, candidates, result.describe(),

@@ -300,7 +300,8 @@ def test_a_plugin_winner_keeps_the_model_it_ran_with_the_cache_entry(tmp_path, m
         F.cross_entropy(om(x), y).backward()
         return om, [p.grad for p in om.parameters()]
 
-    first, grads = trained()
+    stages = tmp_path / "stages"
+    first, grads = trained(debug_options=ortlab.DebugOptions(save_onnx=True, onnx_prefix="mlp", save_path=str(stages)))
     runners = _runners(first)
     if not all(r.session.get_providers()[0] == "OpenVINOExecutionProvider" for r in runners):
         pytest.skip("the MLP's graphs are not raced against OpenVINO here (single-threaded)")
@@ -308,6 +309,8 @@ def test_a_plugin_winner_keeps_the_model_it_ran_with_the_cache_entry(tmp_path, m
     assert len(stored) == 2
     exported = {r.session_source.model for r in runners}
     assert {p.read_bytes() for p in stored} == exported  # the models OpenVINO was measured on
+    # The execution stage on disk is the model the winner runs, not the CPU provider's optimized one.
+    assert {p.read_bytes() for p in stages.glob("mlp_*_execution_train.onnx")} == exported
 
     again, again_grads = trained()
     for r in _runners(again):
