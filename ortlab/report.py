@@ -180,6 +180,7 @@ class CaptureRecord:
     sparsity: SparsityRecord | None = None
     purpose: str = ""  # why ortlab made this graph itself, e.g. a label-sparsity tail
     recapture: str = ""  # why Dynamo captured this code again: the guard of an earlier capture that failed
+    same_as: int | None = None  # the earlier capture whose compiled graphs this one runs (the same graph)
 
 
 @dataclasses.dataclass
@@ -251,6 +252,9 @@ class Report:
                          f"{sum(c.fx_ops.values())} captured ops, capture {c.capture_s:.2f} s")
             if c.recapture:
                 lines.append(f"  captured again because a guard of an earlier capture failed: {c.recapture}")
+            if c.same_as is not None:
+                lines.append(f"  the same graph as {stage_label(c.same_as)}, under the same global state: runs "
+                             f"{stage_label(c.same_as)}'s compiled graphs and sessions (nothing compiled again)")
             if c.sparsity is not None:
                 lines.append(f"  {c.sparsity}")
             for g in c.graphs:

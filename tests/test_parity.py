@@ -361,6 +361,49 @@ def test_input_structure_changes_recapture():
     assert_ran_in_ort(om)
 
 
+class _ProblemType(nn.Module):
+    """Hugging Face's sequence classifiers set ``config.problem_type`` on their first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"problem_type": None})()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.config.problem_type is None:
+            self.config.problem_type = "single_label_classification"
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def test_the_same_graph_captured_again_runs_what_was_compiled():
+    """Note [The same graph captured again]: the failed guard re-captures the same graph;
+    it runs the first capture's sessions instead of compiling everything again."""
+    seed_all(0)
+    eager, om = twin(_ProblemType())
+    for i in range(3):
+        run_step(eager, om, (randn(i, 5, 8), torch.randint(0, 4, (5,), generator=gen(i))), seed=i)
+    first, again = om.report.captures
+    assert "problem_type" in again.recapture and again.same_as == 0 and not again.graphs
+    assert "the same graph as g0" in str(om.report)
+    assert_ran_in_ort(om)
+
+
+def test_the_same_graph_under_another_global_state_compiles_again():
+    """Autocast is applied while AOTAutograd traces: the same Dynamo graph under autocast is another graph."""
+    seed_all(0)
+    eager, om = twin(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)))
+    x = randn(0, 5, 8)
+    run_step(eager, om, (x,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = om(x), eager(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ref, rtol=BF16_RTOL, atol=BF16_ATOL)
+    assert [c.same_as for c in om.report.captures] == [None, None]
+    with torch.no_grad():
+        torch.testing.assert_close(om(x), eager(x))
+    assert all(c.same_as is None for c in om.report.captures)
+
+
 def test_module_attribute_changes_recapture():
     module, inputs = make("attr_scale")
     eager, om = twin(module)

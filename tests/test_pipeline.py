@@ -126,6 +126,23 @@ def test_placements_carry_their_kind_and_reason():
 
 
 # ------------------------------------------------------------------------------ the sessions
+def test_the_providers_line_groups_parts_by_outcome():
+    """BERT's forward has 51 parts: the line names each outcome once, its parts in order."""
+    from ortlab.pipeline.part import GraphContext, PartBuilder
+    from ortlab.report import GraphRecord
+
+    record = GraphRecord(name="forward", mode="train", fx_ops={}, capture=0)
+    builder = PartBuilder(GraphContext(Options(), ortlab.DebugOptions(), torch.device("cpu"), 0), record, {})
+    for i in [10, 2, 3, 4, 5, 6, 7, 8]:
+        builder._decide(f"fused_{i}", ("OpenVINOExecutionProvider",), "(measured fastest)")
+    builder._decide("fused_9", ("CPUExecutionProvider",), "(measured fastest)")
+    line = record.providers
+    assert line.startswith("OpenVINOExecutionProvider (measured fastest): 8 parts (g0.forward.fused_2, "
+                           "g0.forward.fused_3,"), line
+    assert "; CPUExecutionProvider (measured fastest): g0.forward.fused_9; before measuring:" in line
+    assert "fused_10" not in line  # the seventh and later parts of a group are counted, not named
+
+
 def test_the_session_builder_records_its_decisions():
     om = ortlab.ORTModule(TinyMLP())
     _step(om, make_batch("tiny", 8))

@@ -50,6 +50,7 @@ __all__ = [
     "LINEAR_TARGETS",
     "COMPILE_ISOLATION",
     "guard_failures_of",
+    "global_state",
     "ddp_active",
     "without_ddp_optimizer",
     "from_dlpack_capsule",
@@ -273,6 +274,16 @@ def guard_failures_of(module: torch.nn.Module) -> list[str]:
             text = rest
         out.append(" ".join(text.split()))
     return out
+
+
+def global_state() -> Any:
+    """A snapshot of the global state a trace depends on (grad mode, autocast, default dtype,
+    deterministic algorithms, ...): ``.check()`` says whether it still holds, ``.reason()`` what
+    changed. It is the snapshot Dynamo guards every graph on (``GlobalStateGuard``, 2.1+, no
+    public spelling); None where it is missing, and callers then assume the state changed."""
+    guard = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
+    cls = getattr(guard, "GlobalStateGuard", None)
+    return cls() if cls is not None else None
 
 
 # Note [DDP and Dynamo's DDPOptimizer]

@@ -13,11 +13,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.fx
 
-from ortlab._compat.torch import COMPILE_ISOLATION, DYNAMO_CONTROL_FLOW
+from ortlab._compat.torch import COMPILE_ISOLATION, DYNAMO_CONTROL_FLOW, global_state
 from ortlab.artifacts import FolderSink
 from ortlab.capture.aot import graph_device, rewrite_sdpa, trace
 from ortlab.capture.sparsity import LabelSparsity, find_label_sparsity
@@ -34,6 +35,75 @@ from ortlab.stages import StageArtifact, StageSink, Stages, count_ops, label
 __all__ = ["OrtlabBackend"]
 
 logger = logging.getLogger(__name__)
+
+# Note [The same graph captured again]
+# Dynamo captures a module's code again whenever a guard of every earlier capture fails,
+# and the new graph is often the very graph it captured before. Hugging Face's
+# ``*ForSequenceClassification`` models set ``config.problem_type`` on their first call, so
+# the second call fails the guard ``config.problem_type is None`` and hands the backend the
+# same 337 ops again: on BERT-base the second step compiled everything a second time (37 s,
+# with a second set of sessions and OpenVINO models in memory). The backend now keeps what
+# it compiled, keyed on the graph's code and each input's type, shape, stride, dtype,
+# requires_grad, view-ness and storage sharing (what AOTAutograd's trace depends on), and
+# checks the rest before it reuses it: the global state the trace ran under (grad mode,
+# autocast, default dtype: Dynamo's own ``GlobalStateGuard``) and each tensor constant of
+# the graph (the same tensor, or equal). A graph with submodules (``call_module``,
+# higher-order ops' subgraphs) is never reused: its code does not show what they compute.
+# A graph that fell back to PyTorch whole is compiled again (its failure may not recur).
+
+
+def _graph_identity(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> str | None:
+    """What AOTAutograd's trace of ``gm`` depends on besides its constants, as a string; None
+    when ``gm`` has parts its code does not show (see Note [The same graph captured again])."""
+    if any(n.op == "call_module" for n in gm.graph.nodes):
+        return None
+    if any(not isinstance(_attr(gm, str(n.target)), torch.Tensor) for n in gm.graph.find_nodes(op="get_attr")):
+        return None
+    code = [line for line in gm.code.splitlines() if line.strip() and not line.strip().startswith("#")]
+    storages: dict[int, int] = {}
+    inputs = []
+    for i, x in enumerate(example_inputs):
+        if isinstance(x, torch.Tensor):
+            try:
+                shared = storages.setdefault(x.untyped_storage().data_ptr(), i) if x.numel() else i
+            except Exception:  # a tensor without storage (a subclass): no aliasing to compare
+                shared = i
+            inputs.append(f"{type(x).__name__} {x.dtype} {tuple(x.shape)} {x.stride()} {x.device} "
+                          f"{x.requires_grad} {x._base is not None} {x.layout} {shared}")
+        else:
+            inputs.append(f"{type(x).__name__} {x!r}")
+    metas = [str(getattr(n.meta.get("example_value"), "shape", None)) for n in gm.graph.find_nodes(op="placeholder")]
+    return "\n".join([*code, *inputs, *metas])
+
+
+def _attr(gm: torch.fx.GraphModule, dotted: str) -> object:
+    obj: object = gm
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _same_constants(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    for k, x in a.items():
+        y = b[k]
+        if x is y:
+            continue
+        if (x.dtype, x.shape, x.device, x.requires_grad, x.layout) != (y.dtype, y.shape, y.device, y.requires_grad,
+                                                                      y.layout) or not torch.equal(x, y):
+            return False
+    return True
+
+
+@dataclasses.dataclass
+class _Compiled:
+    """A capture's compiled callable, with what must hold to hand it out again."""
+
+    index: int
+    state: Any  # GlobalStateGuard, or None where torch has none
+    constants: dict[str, torch.Tensor]
+    compiled: Callable
 
 
 class OrtlabBackend:
@@ -53,6 +123,7 @@ class OrtlabBackend:
         self.report = report
         self.observer = observer
         self.sinks = list(sinks)
+        self._compiled: dict[str, list[_Compiled]] = {}  # Note [The same graph captured again]
 
     def release(self) -> None:
         """Free the sessions, models and graphs of every capture (see Note [Releasing a module's sessions])."""
@@ -63,6 +134,7 @@ class OrtlabBackend:
                 graph.parts, graph.graph_module = [], None
         self.observer = None
         self.sinks = []
+        self._compiled = {}
 
     def _with_tail(self, compiled: Callable, cut: LabelSparsity) -> Callable:
         """``compiled`` (the graph cut before its LM head), then the head and loss on the kept rows.
@@ -93,6 +165,14 @@ class OrtlabBackend:
         )
         mode = "train" if needs_grad else "eval"
         capture = CaptureRecord(index=index, mode=mode, fx_ops=count_ops(gm), purpose=self.purpose)
+        identity, state = _graph_identity(gm, example_inputs), global_state()
+        constants = {str(n.target): _attr(gm, str(n.target)) for n in gm.graph.find_nodes(op="get_attr")}
+        for earlier in self._compiled.get(identity, ()) if identity is not None else ():
+            if earlier.state is not None and earlier.state.check() and _same_constants(earlier.constants, constants):
+                capture.same_as = earlier.index
+                capture.capture_s = time.perf_counter() - start
+                self.report.captures.append(capture)
+                return earlier.compiled
         folder = FolderSink.from_debug(self.debug)
         if folder is not None:
             capture.files = folder.written
@@ -168,5 +248,7 @@ class OrtlabBackend:
             compiled = gm.forward
         capture.capture_s = time.perf_counter() - start - sum(g.export_s + g.session_s for g in capture.graphs)
         self.report.captures.append(capture)
+        if identity is not None and compiled is not gm.forward:
+            self._compiled.setdefault(identity, []).append(_Compiled(index, state, constants, compiled))
         return compiled
 

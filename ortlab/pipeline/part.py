@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 
@@ -88,6 +89,17 @@ class PlacementRetry(Exception):
         self.placements, self.error = placements, error
 
 
+def _natural(name: str) -> tuple:
+    """``fused_2`` before ``fused_10``."""
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+
+
+def _some(labels: list[str], most: int = 6) -> str:
+    if len(labels) <= most:
+        return ", ".join(labels)
+    return f"{len(labels)} parts ({', '.join(labels[:most])}, ...)"
+
+
 class PartBuilder:
     """Builds the onnxruntime parts of one graph (``record``), recording what it did."""
 
@@ -104,8 +116,11 @@ class PartBuilder:
         outcomes = sorted(set(self._decided.values()))
         if len(outcomes) == 1:
             now = outcomes[0]
-        else:
-            now = "; ".join(f"{self._label(p)}: {d}" for p, d in sorted(self._decided.items()))
+        else:  # one entry per outcome, its parts in order (BERT's forward has 51 parts in two outcomes)
+            groups: dict[str, list[str]] = {}
+            for p, d in sorted(self._decided.items(), key=lambda item: _natural(item[0])):
+                groups.setdefault(d, []).append(self._label(p))
+            now = "; ".join(f"{d}: {_some(parts)}" for d, parts in groups.items())
         self.record.providers = f"{now}; before measuring: {self._first_choice}"
 
     def reset(self) -> None:
