@@ -388,6 +388,24 @@ def test_the_same_graph_captured_again_runs_what_was_compiled():
     assert_ran_in_ort(om)
 
 
+def test_the_same_graph_captured_again_after_set_observer_reports_to_it():
+    """``set_observer`` applies to graphs compiled from then on: a re-captured graph is one, so it is not reused."""
+    from ortlab.runtime.observe import GraphObserver
+
+    class Count(GraphObserver):
+        calls = 0
+
+        def graph_call(self, record, where, args):
+            Count.calls += 1
+
+    seed_all(0)
+    eager, om = twin(_ProblemType())
+    run_step(eager, om, (randn(0, 5, 8), torch.randint(0, 4, (5,), generator=gen(0))))
+    om.set_observer(Count())
+    run_step(eager, om, (randn(1, 5, 8), torch.randint(0, 4, (5,), generator=gen(1))), seed=1)
+    assert om.report.captures[1].same_as is None and Count.calls > 0
+
+
 def test_the_same_graph_under_another_global_state_compiles_again():
     """Autocast is applied while AOTAutograd traces: the same Dynamo graph under autocast is another graph."""
     seed_all(0)

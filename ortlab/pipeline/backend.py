@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,8 +48,9 @@ logger = logging.getLogger(__name__)
 # requires_grad, view-ness and storage sharing (what AOTAutograd's trace depends on), and
 # checks the rest before it reuses it: the global state the trace ran under (grad mode,
 # autocast, default dtype: Dynamo's own ``GlobalStateGuard``) and each tensor constant of
-# the graph (the same tensor, or equal). A graph with submodules (``call_module``,
-# higher-order ops' subgraphs) is never reused: its code does not show what they compute.
+# the graph (the same tensor, or equal), and the observer (``set_observer``) it reports to.
+# A graph with submodules (``call_module``, higher-order ops' subgraphs) is never reused:
+# its code does not show what they compute.
 # A graph that fell back to PyTorch whole is compiled again (its failure may not recur).
 
 
@@ -57,7 +59,8 @@ def _graph_identity(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) 
     when ``gm`` has parts its code does not show (see Note [The same graph captured again])."""
     if any(n.op == "call_module" for n in gm.graph.nodes):
         return None
-    if any(not isinstance(_attr(gm, str(n.target)), torch.Tensor) for n in gm.graph.find_nodes(op="get_attr")):
+    if any(not isinstance(operator.attrgetter(str(n.target))(gm), torch.Tensor)
+           for n in gm.graph.find_nodes(op="get_attr")):
         return None
     code = [line for line in gm.code.splitlines() if line.strip() and not line.strip().startswith("#")]
     storages: dict[int, int] = {}
@@ -74,13 +77,6 @@ def _graph_identity(gm: torch.fx.GraphModule, example_inputs: Sequence[object]) 
             inputs.append(f"{type(x).__name__} {x!r}")
     metas = [str(getattr(n.meta.get("example_value"), "shape", None)) for n in gm.graph.find_nodes(op="placeholder")]
     return "\n".join([*code, *inputs, *metas])
-
-
-def _attr(gm: torch.fx.GraphModule, dotted: str) -> object:
-    obj: object = gm
-    for part in dotted.split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def _same_constants(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -104,6 +100,7 @@ class _Compiled:
     state: Any  # GlobalStateGuard, or None where torch has none
     constants: dict[str, torch.Tensor]
     compiled: Callable
+    observer: GraphObserver | None  # the observer its calls report to (a graph compiled before set_observer has none)
 
 
 class OrtlabBackend:
@@ -166,9 +163,10 @@ class OrtlabBackend:
         mode = "train" if needs_grad else "eval"
         capture = CaptureRecord(index=index, mode=mode, fx_ops=count_ops(gm), purpose=self.purpose)
         identity, state = _graph_identity(gm, example_inputs), global_state()
-        constants = {str(n.target): _attr(gm, str(n.target)) for n in gm.graph.find_nodes(op="get_attr")}
+        constants = {str(n.target): operator.attrgetter(str(n.target))(gm) for n in gm.graph.find_nodes(op="get_attr")}
         for earlier in self._compiled.get(identity, ()) if identity is not None else ():
-            if earlier.state is not None and earlier.state.check() and _same_constants(earlier.constants, constants):
+            if (earlier.observer is self.observer and earlier.state is not None and earlier.state.check()
+                    and _same_constants(earlier.constants, constants)):
                 capture.same_as = earlier.index
                 capture.capture_s = time.perf_counter() - start
                 self.report.captures.append(capture)
@@ -249,6 +247,6 @@ class OrtlabBackend:
         capture.capture_s = time.perf_counter() - start - sum(g.export_s + g.session_s for g in capture.graphs)
         self.report.captures.append(capture)
         if identity is not None and compiled is not gm.forward:
-            self._compiled.setdefault(identity, []).append(_Compiled(index, state, constants, compiled))
+            self._compiled.setdefault(identity, []).append(_Compiled(index, state, constants, compiled, self.observer))
         return compiled
 

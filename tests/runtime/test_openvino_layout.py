@@ -53,7 +53,8 @@ def test_a_wide_computed_matmul_is_split_into_slices_with_the_same_values():
     assert all({p.key: p.value for p in n.metadata_props}.get("ortlab.module") == "ffn.down"
                for n in proto.graph.node if n.op_type in ("Split", "MatMul", "Concat"))
     rng = np.random.default_rng(0)
-    feeds = {"a": rng.standard_normal((32, 64), dtype=np.float32), "x": rng.standard_normal((64, 3072), dtype=np.float32)}
+    feeds = {"a": rng.standard_normal((32, 64), dtype=np.float32),
+             "x": rng.standard_normal((64, 3072), dtype=np.float32)}
     np.testing.assert_allclose(_run(prepared, feeds), _run(model, feeds), rtol=1e-5, atol=1e-5)
     assert {p.key for p in proto.metadata_props} == {MARK}
     assert prepare_for_openvino(prepared) is prepared  # prepared once: recognised without parsing
