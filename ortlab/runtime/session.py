@@ -24,7 +24,7 @@ import onnxruntime as ort
 
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import DeviceError, SessionError, first_line
-from ortlab.onnx.openvino import prepare_for_openvino
+from ortlab.runtime.openvino import prepare_for_openvino
 from ortlab.runtime.providers import bf16_provider, cpu_candidates, is_plugin, plugin, plugin_options
 
 __all__ = [

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import ortlab
-from ortlab.onnx.openvino import MARK, prepare_for_openvino
+from ortlab.runtime.openvino import MARK, prepare_for_openvino
 from ortlab.runtime import providers as providers_module
 
 

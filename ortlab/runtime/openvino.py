@@ -1,4 +1,5 @@
-"""The model OpenVINO's CPU plugin is given: MatMuls whose layout its GEMM runs slowly, split.
+"""The model OpenVINO's CPU plugin is given: MatMuls whose layout its GEMM runs slowly, split (torch-free:
+the on-device runtime builds sessions without PyTorch).
 
 Note [Wide MatMuls for OpenVINO]
 OpenVINO's CPU plugin (the one in ``onnxruntime-ep-openvino`` 1.8.1, and openvino 2026.4 alone)
