@@ -541,3 +541,18 @@ def test_onnxruntime_failing_to_write_the_model_is_not_the_models_failure(tmp_pa
     om = ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(tmp_path), fallback="raise")
     train(om, copy.deepcopy(base))
     assert len(messages(caplog, UNWRITABLE)) == 1 and not entry_files(tmp_path)
+
+
+def test_a_graph_with_a_0_dim_constant_is_cached(tmp_path):
+    """``h[:, 0] = 0.0`` makes Dynamo lift a 0-dim constant; hashing it for the key raised (``view(uint8)``
+    refuses 0-dim tensors), so with ``cache_dir`` the whole graph ran in PyTorch."""
+    from models import make
+
+    module, inputs = make("setitem_scalar")
+    args, kwargs = inputs(0)
+    for _ in range(2):  # stored, then loaded
+        torch._dynamo.reset()
+        om = ortlab.ORTModule(copy.deepcopy(module), cache_dir=str(tmp_path))
+        torch.testing.assert_close(om(*args, **kwargs), module(*args, **kwargs))
+        assert_ran_in_ort(om)
+    assert om.report.captures[0].graphs[0].cached

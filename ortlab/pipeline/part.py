@@ -39,6 +39,7 @@ from ortlab.runtime.cache import (
     stage_model,
     store_decision,
     store_entry,
+    structure_key,
 )
 from ortlab.runtime.kernels import missing_kernels
 from ortlab.runtime.observe import GraphObserver, observed_part
@@ -108,6 +109,8 @@ class PartBuilder:
         self.providers = choose_providers(ctx.device.type, ctx.options, bf16=_computes_in_bf16(nodes))
         record.providers = self._first_choice = f"{', '.join(self.providers.providers)} ({self.providers.reason})"
         self._decided: dict[str, str] = {}  # part -> provider(s) a measurement chose, and how
+        # structure_key -> (the providers its race chose, the part it raced on): Note [Parts that are the same graph]
+        self._raced: dict[str, tuple[tuple[str, ...], str]] = {}
 
     def _decide(self, part: str, chosen: tuple[str, ...], how: str) -> None:
         """Record that ``part`` runs on ``chosen``: the report's providers line says what runs, not what was
@@ -148,6 +151,7 @@ class PartBuilder:
         ctx, record = self.ctx, self.record
         threads = choose_threads(ctx.options, matmul_flops(gm))
         record.threads = threads.reason
+        same = structure_key(gm) if self.providers.candidates else ""  # Note [Parts that are the same graph]
         entry = None
         if ctx.options.cache_dir:
             settings = {
@@ -157,7 +161,7 @@ class PartBuilder:
                 "device": str(ctx.device),
             }
             entry = CacheEntry(ctx.options.cache_dir, cache_key(gm, {}, settings))
-            hit = self._from_cache(entry, part, threads)
+            hit = self._from_cache(entry, part, threads, same)
             if hit is not None:
                 return hit
         onnx_name = record.name if not part else f"{record.name}_{part}"
@@ -188,7 +192,7 @@ class PartBuilder:
         self._count(exported.op_counts())
         runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
                            exported.output_sources, ctx.device, built.source, exported.guards)
-        self._race(runner, part, entry)
+        self._race(runner, part, entry, same)
         given = "onnxscript" if ctx.options.graph_optimization_level != "disable" else "exported"
         record.parts.append(PartRecord(part, self._label(part), runner, exported, given))
         return runner
@@ -196,9 +200,10 @@ class PartBuilder:
     def _all_candidates(self) -> list[tuple[str, ...]]:
         return [tuple(self.providers.providers), *self.providers.candidates]
 
-    def _race(self, runner: OrtRunner, part: str, entry: CacheEntry | None) -> None:
+    def _race(self, runner: OrtRunner, part: str, entry: CacheEntry | None, same: str) -> None:
         """Measure the other candidate providers on the part's first call (``ortlab.runtime.race``);
-        the decision is stored with the cache entry (Note [Stored provider decisions])."""
+        the decision is stored with the cache entry (Note [Stored provider decisions]). A part whose
+        graph (``same``, its ``structure_key``) was raced before follows that race's winner."""
         if not self.providers.candidates or runner.session_source is None:
             return
         if self.ctx.options.profile:
@@ -230,7 +235,11 @@ class PartBuilder:
             record.notes.append(f"{where} providers: {result.describe()}")
             record.race_s += result.seconds
             if result.chosen:
-                self._decide(part, result.chosen, "(measured fastest on the first call)")
+                how = (f"(as measured on {result.followed}, the same graph)" if result.followed
+                       else "(measured fastest on the first call)")
+                self._decide(part, result.chosen, how)
+                if not result.followed:
+                    self._raced.setdefault(same, (result.chosen, where))
             won = runner.session_source
             if won is not first and isinstance(won.model, bytes) and self.ctx.stages.wants("execution"):
                 # The execution stage was the first session's optimized model; the winner runs its own.
@@ -247,7 +256,8 @@ class PartBuilder:
         # Note [Candidates build while the graph is still being compiled] in ortlab.runtime.race; not where a
         # static input has no elements, on which OpenVINO's compiler kills the process (the race drops it).
         static_empty = _has_empty_input(i.shape for i in runner.session.get_inputs())
-        runner.race = make_race(sources, decided, prebuilt=None if static_empty else prebuild(sources))
+        runner.race = make_race(sources, decided, prebuilt=None if static_empty else prebuild(sources),
+                                follow=lambda: self._raced.get(same))
 
     def _label(self, part: str) -> str:
         return label(self.ctx.capture, self.record.name, part)
@@ -336,7 +346,7 @@ class PartBuilder:
             self.record.onnx_ops[op] = self.record.onnx_ops.get(op, 0) + count
         self.record.ort_partitions += 1
 
-    def _from_cache(self, entry: CacheEntry, part: str, threads: ThreadChoice) -> OrtRunner | None:
+    def _from_cache(self, entry: CacheEntry, part: str, threads: ThreadChoice, same: str) -> OrtRunner | None:
         cached = load_entry(entry)  # checked; see Note [Trusting a cache entry] in ortlab.runtime.cache
         if cached is None:
             return None
@@ -372,7 +382,7 @@ class PartBuilder:
             self.record.notes.append(f"{self._label(part)} providers: {'+'.join(decision.chosen)}, as measured "
                                      f"in an earlier process and stored with the cache entry ({decision.described})")
         else:
-            self._race(runner, part, entry)
+            self._race(runner, part, entry, same)
         self.record.parts.append(PartRecord(part, self._label(part), runner, None, "execution"))
         return runner
 

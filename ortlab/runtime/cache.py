@@ -64,7 +64,7 @@ from ortlab._compat.torch import unset_fake_temporarily
 from ortlab._versions import library_versions
 from ortlab.onnx.guards import IndexGuard
 
-__all__ = ["cache_key", "CacheEntry", "CachedModel", "load_entry", "stage_model", "store_entry", "drop_entry",
+__all__ = ["cache_key", "structure_key", "CacheEntry", "CachedModel", "load_entry", "stage_model", "store_entry", "drop_entry",
            "session_mismatch", "FORMAT"]
 
 logger = logging.getLogger(__name__)
@@ -93,6 +93,12 @@ def _placeholder_meta(gm: torch.fx.GraphModule) -> list[str]:
     return metas
 
 
+def _tensor_bytes(value: torch.Tensor) -> bytes:
+    """A constant's bytes (a 0-dim tensor too: ``view(torch.uint8)`` refuses those)."""
+    with unset_fake_temporarily():
+        return value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def cache_key(gm: torch.fx.GraphModule, blocked: dict[str, str], settings: dict[str, Any]) -> str:
     """A hash of everything that determines the model onnxruntime runs for ``gm``."""
     h = hashlib.sha256()
@@ -100,12 +106,34 @@ def cache_key(gm: torch.fx.GraphModule, blocked: dict[str, str], settings: dict[
         if node.op == "get_attr":
             value = getattr(gm, str(node.target), None)
             if isinstance(value, torch.Tensor):
-                with unset_fake_temporarily():
-                    h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(_tensor_bytes(value))
     for part in (gm.code, "\n".join(_placeholder_meta(gm)), json.dumps(sorted(blocked)),
                  json.dumps(settings, sort_keys=True, default=str), library_versions()):
         h.update(part.encode())
         h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def structure_key(gm: torch.fx.GraphModule) -> str:
+    """A hash of what ``gm`` computes with its node names aside: the same layer's part in two layers of
+    a model hashes alike (Note [Parts that are the same graph] in ``ortlab.runtime.race``)."""
+    h = hashlib.sha256()
+    index: dict[torch.fx.Node, str] = {}
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = f"%{i}"
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            what = (f"{val.dtype}:{tuple(val.shape)}:{tuple(val.stride())}" if isinstance(val, torch.Tensor)
+                    else type(val).__name__)
+        elif node.op == "get_attr":
+            value = getattr(gm, str(node.target), None)
+            what = type(value).__name__
+            if isinstance(value, torch.Tensor):
+                what = f"{value.dtype}:{tuple(value.shape)}:{hashlib.sha256(_tensor_bytes(value)).hexdigest()}"
+        else:
+            args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: index[n])
+            what = f"{node.target}{args!r}"
+        h.update(f"{node.op} {what}\n".encode())
     return h.hexdigest()[:32]
 
 

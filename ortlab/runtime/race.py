@@ -53,8 +53,16 @@ class RaceResult:
     dropped: dict[str, str]
     seconds: float = 0.0  # what the race itself took (building and running the candidates)
     runs: int = 1  # timed runs of the most-measured candidate (Note [How the race times its candidates])
+    followed: str = ""  # the part whose race decided this one (Note [Parts that are the same graph])
+    checked: bool = False  # a followed winner other than the first-built session agreed with its outputs
 
     def describe(self) -> str:
+        if self.followed:
+            how = "outputs checked on this part's first call" if self.checked else "the session it was built with"
+            text = f"{'+'.join(self.chosen)} as measured on {self.followed}, the same graph ({how}; {self.seconds:.2f} s)"
+            for name, why in self.dropped.items():
+                text += f"; {name} dropped: {why}"
+            return text
         times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.times_ms.items())
         how = "median of %d timed runs" % self.runs if self.runs > 1 else "one timed run each"
         text = f"{'+'.join(self.chosen)} measured fastest ({times}; {how}; measuring took {self.seconds:.2f} s)"
@@ -103,6 +111,17 @@ CLOSE = 1.15
 # reuses their memory instead of growing the arena by another set. The GPT on the Xeon,
 # 50 steps: steady RSS 1185 -> 754 MiB (arena shrink 947, warm-up outputs dropped 876,
 # heap trimmed 754), peak 1185 -> 1103 MiB; the step time is unchanged (120 ms).
+
+
+# Note [Parts that are the same graph]
+# A graph split at ops that run in PyTorch repeats its parts once per layer: BERT-base's
+# forward, split at its 37 dropouts, is 51 parts, of which 48 are four graphs twelve times
+# over, and racing each one took 13.7 s of its first step. A part whose graph is the same as
+# an earlier part's (op for op, shapes, dtypes and constants, names aside: the caller's key)
+# takes that race's winner: its first call runs on the first-built session as usual, then
+# once on the winner's session, whose outputs must agree like any candidate's; a winner that
+# disagrees sends the part to a race of its own. The report says which part it followed.
+Follow = Callable[[], "tuple[tuple[str, ...], str] | None"]
 
 
 @dataclasses.dataclass
@@ -183,16 +202,56 @@ def _wait_for_builds() -> None:
     concurrent.futures.wait(pending)
 
 
+def _follow(runner: OrtRunner, args: Sequence[object], reference: list, candidates: Sequence[SessionSource],
+            prebuilt: Sequence[concurrent.futures.Future] | None, chosen: tuple[str, ...], where: str,
+            start: float) -> RaceResult | None:
+    """Take the providers ``chosen`` by the race of ``where`` (Note [Parts that are the same graph]);
+    None when that provider cannot run this part or disagrees with ``reference``."""
+    first = runner.session_source
+    result = RaceResult(chosen, {}, {}, followed=where)
+    if first is not None and first.providers == chosen:
+        result.seconds = time.perf_counter() - start
+        return result
+    index = next((i for i, c in enumerate(candidates) if c.providers == chosen), None)
+    if index is None or first is None:
+        return None
+    try:
+        built = prebuilt[index].result() if prebuilt else candidates[index].rebuild(quiet=True)
+    except Exception:  # noqa: BLE001 - the race of its own says why
+        return None
+    own = runner.session
+    runner.swap_session(built.session)
+    try:
+        why = _disagreement(reference, runner.run(args))
+    except Exception:  # noqa: BLE001 - the race of its own says why
+        why = "failed to run"
+    if why:
+        runner.swap_session(own)
+        return None
+    runner.session_source = candidates[index]
+    runner.shrink_arena_on_next_run()
+    result.checked = True
+    result.seconds = time.perf_counter() - start
+    return result
+
+
 def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResult], None],
-              prebuilt: Sequence[concurrent.futures.Future] | None = None,
+              prebuilt: Sequence[concurrent.futures.Future] | None = None, follow: Follow | None = None,
               ) -> Callable[[OrtRunner, Sequence[object]], list]:
     """The first-call hook for an ``OrtRunner`` (``runner.race``) measuring ``candidates`` against its session;
-    ``prebuilt`` holds their sessions being built already (``prebuild``), in the same order."""
+    ``prebuilt`` holds their sessions being built already (``prebuild``), in the same order. ``follow``
+    names the winner of an earlier race on the same graph, if any (Note [Parts that are the same graph])."""
 
     def race(runner: OrtRunner, args: Sequence[object]) -> list:
         start = time.perf_counter()
         first = runner.session_source
         reference = runner.run(args)  # the call's own run, and the first session's warm-up
+        earlier = follow() if follow is not None else None
+        if earlier is not None:
+            followed = _follow(runner, args, reference, candidates, prebuilt, *earlier, start)
+            if followed is not None:
+                on_result(followed)
+                return reference
         _wait_for_builds()  # no build shares the cores with a timed run
         result = RaceResult(first.providers if first is not None else (), {}, {})
         entrants = [_Entrant(_name(first, {}), runner.session, first, [])]  # timed after the candidates

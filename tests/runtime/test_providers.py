@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import ortlab
 from ortlab.models import TinyMLP, make_batch
@@ -377,3 +378,60 @@ def test_giving_back_the_freed_heap_is_safe_to_call():
 
     give_back_freed_heap()
     give_back_freed_heap()
+
+
+def test_parts_that_are_the_same_graph_follow_the_first_race(monkeypatch):
+    """Note [Parts that are the same graph]: a graph split at dropouts repeats its parts; the first one
+    of each is raced, the others take its winner once their outputs agree, or race on their own."""
+    from ortlab.runtime import race as race_module
+    from ortlab.runtime import session as session_module
+
+    monkeypatch.setattr(session_module, "cpu_candidates",
+                        lambda: (["CPUExecutionProvider", "AzureExecutionProvider"], {}))
+    real_time_once = race_module._time_once
+
+    def azure_wins(runner, args):  # noqa: ANN001, ANN202
+        seconds = real_time_once(runner, args)
+        return seconds / 10 if runner.session.get_providers()[0] == "AzureExecutionProvider" else seconds
+
+    monkeypatch.setattr(race_module, "_time_once", azure_wins)
+
+    def blocks() -> nn.Module:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = []
+        for _ in range(4):
+            layers += [nn.Linear(32, 32), nn.Tanh(), nn.Dropout(0.25)]
+        return nn.Sequential(*layers, nn.Linear(32, 4))
+
+    x = torch.randn(16, 32)
+    for disagree in (False, True):
+        if disagree:  # every check after the first race's fails: the followers race on their own
+            checks = []
+            real_disagreement = race_module._disagreement
+
+            def disagreement(reference, outputs):  # noqa: ANN001, ANN202
+                checks.append(1)
+                return real_disagreement(reference, outputs) if len(checks) == 1 else "outputs differ"
+
+            monkeypatch.setattr(race_module, "_disagreement", disagreement)
+        torch._dynamo.reset()
+        eager, om = blocks(), ortlab.ORTModule(blocks())
+        torch.manual_seed(1)
+        expected = eager(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(om(x), expected)
+        forward = om.report.captures[0].graphs[0]
+        notes = [n for n in forward.notes if " providers: " in n]
+        followed = [n for n in notes if "as measured on" in n]
+        if not disagree:
+            assert len(notes) >= 4 and len(followed) >= 2, notes
+            assert all("AzureExecutionProvider as measured on" in n and "the same graph (outputs checked" in n
+                       for n in followed), followed
+            assert "(as measured on g0.forward.fused_" in forward.providers
+            assert forward.race_s > 0
+        else:
+            assert not followed and all("outputs differ" in n for n in notes[1:]), notes
+        torch.manual_seed(2)
+        expected = eager(x)
+        torch.manual_seed(2)
+        torch.testing.assert_close(om(x), expected)  # whichever session each part kept
