@@ -246,3 +246,18 @@ def test_ortlab_explore_loads_the_views():
         assert "Captured graph" in lab.next()._repr_html_()
     finally:
         lab.close()
+
+
+def test_the_registry_is_torchs():
+    """Note [Building torchlib's registry]: built without parsing torchlib's sources, it holds the same
+    translations for the same ops as ``ONNXRegistry.from_torchlib``."""
+    from ortlab._compat.torch import ONNXRegistry, torchlib_registry
+
+    ours, torchs = torchlib_registry(), ONNXRegistry.from_torchlib()
+
+    def entries(registry):  # noqa: ANN001, ANN202
+        return {k: [(m.onnx_function, m.fx_target, m.is_complex, m.is_custom) for m in v]
+                for k, v in registry.functions.items()}
+
+    assert len(ours.functions) > 300 and entries(ours) == entries(torchs)
+    assert ours.opset_version == torchs.opset_version

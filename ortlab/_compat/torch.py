@@ -11,6 +11,7 @@ Everything else in ortlab uses torch's public API only. Grouped by what they ser
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -224,8 +225,48 @@ EXPORTER_LOGGERS = (_core.__name__, _registration.__name__)
 
 
 def torchlib_registry() -> Any:
-    """A fresh registry of torchlib's translations (``ONNXRegistry.from_torchlib``)."""
-    return _registration.ONNXRegistry.from_torchlib()
+    """A fresh registry of torchlib's translations (``ONNXRegistry.from_torchlib``).
+
+    Note [Building torchlib's registry]: ``from_torchlib`` asks onnxscript for torchlib's
+    functions (``get_torchlib_ops``), which reads each function's ``function_ir`` to fill in a
+    ``domain`` field the registry never uses; that parses the source of all 497 functions
+    (``inspect.getsource`` + ``ast``) and took 0.57 of the registry's 0.75 s, on every
+    process's first step. The registry is built here with that list made without the parse
+    (the domain read from the function's opset, which is where ``function_ir`` takes it from);
+    any surprise falls back to torch's own call. ``test_the_registry_is_torchs`` checks the two
+    registries hold the same functions for the same ops.
+    """
+    apis = _registration.onnxscript_apis
+    try:
+        original = apis.get_torchlib_ops
+        light = _torchlib_ops_without_source(original)
+    except Exception:  # noqa: BLE001 - another onnxscript: torch's own way
+        return _registration.ONNXRegistry.from_torchlib()
+    apis.get_torchlib_ops = light
+    try:
+        return _registration.ONNXRegistry.from_torchlib()
+    finally:
+        apis.get_torchlib_ops = original
+
+
+def _torchlib_ops_without_source(original: Callable[[], list]) -> Callable[[], list]:
+    module = inspect.getmodule(original)
+    meta_type = module._OnnxFunctionMeta  # type: ignore[union-attr]
+    importlib.import_module("onnxscript.function_libs.torch_lib.ops")  # importing it registers the functions
+    from onnxscript.function_libs.torch_lib import registration
+
+    def light() -> list:
+        metas = []
+        for qualified_name, funcs in registration.default_registry.items():
+            if qualified_name.startswith("internal::"):
+                continue
+            for is_complex, group in ((False, funcs.overloads), (True, funcs.complex)):
+                for func in group:
+                    metas.append(meta_type(qualified_name=qualified_name, function=func, domain=func.opset.domain,
+                                           name=func.name, is_complex=is_complex))
+        return metas
+
+    return light
 
 
 def onnx_friendly_decompositions(onnx_ops: set[Any]) -> dict[Any, Callable]:
