@@ -435,3 +435,22 @@ def test_parts_that_are_the_same_graph_follow_the_first_race(monkeypatch):
         expected = eager(x)
         torch.manual_seed(2)
         torch.testing.assert_close(om(x), expected)  # whichever session each part kept
+
+
+def test_a_follower_with_an_empty_input_does_not_build_a_plugin():
+    """Note [OpenVINO and tensors with no elements]: following a plugin winner must not build it on an empty input."""
+    import types
+
+    from ortlab.runtime import race as race_module
+    from ortlab.runtime.session import SessionSource
+
+    class Untouchable:
+        def result(self):  # noqa: ANN201
+            raise AssertionError("the plugin's session was asked for")
+
+    first = SessionSource(b"", "all", ("CPUExecutionProvider",), 1, 3)
+    runner = types.SimpleNamespace(session_source=first)
+    plugin = dataclasses.replace(first, providers=("OpenVINOExecutionProvider",))
+    followed = race_module._follow(runner, [torch.zeros(0, 4)], [], [plugin], [Untouchable()],
+                                   ("OpenVINOExecutionProvider",), "g0.forward.fused_2", 0.0)
+    assert followed is None  # the part races on its own, which drops the plugin with its reason
