@@ -21,14 +21,17 @@ import json
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import onnxruntime as ort
 
 from ortlab._cache_files import writable
 from ortlab.errors import DeviceError, first_line
+from ortlab.runtime.openvino import prepare_for_openvino
 
-__all__ = ["PLUGINS", "KnownPlugin", "PluginEP", "plugin", "plugin_eps", "plugin_notes", "is_plugin", "cpu_candidates", "plugin_options", "bf16_provider"]
+__all__ = ["PLUGINS", "KnownPlugin", "PluginEP", "plugin", "plugin_eps", "plugin_notes", "is_plugin", "cpu_candidates",
+           "plugin_options", "bf16_provider", "prepare_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +40,14 @@ INTEL = 0x8086
 
 @dataclasses.dataclass(frozen=True)
 class KnownPlugin:
-    """A plugin provider ortlab knows: its package, its session options, the CPU vendors it serves."""
+    """A plugin provider ortlab knows: its package, its session options, the CPU vendors it serves,
+    and what its model needs before a session is built on it (``prepare``: bytes in, bytes out)."""
 
     package: str
     pip_name: str
     options: dict[str, str]
     vendor_ids: frozenset[int] = frozenset()  # empty: any vendor
+    prepare: Callable[[bytes], bytes] | None = None
 
 
 # Note [OpenVINO runs f32 graphs in f32]
@@ -58,7 +63,7 @@ OPENVINO_CPU_CONFIG = {"INFERENCE_PRECISION_HINT": "f32"}
 PLUGINS: dict[str, KnownPlugin] = {
     "OpenVINOExecutionProvider": KnownPlugin("onnxruntime_ep_openvino", "onnxruntime-ep-openvino",
                                              {"load_config": json.dumps({"CPU": OPENVINO_CPU_CONFIG})},
-                                             frozenset({INTEL})),
+                                             frozenset({INTEL}), prepare=prepare_for_openvino),
 }
 
 
@@ -147,6 +152,15 @@ def plugin_options(ep: PluginEP, cache_dir: str | None) -> dict[str, str]:
     config = json.loads(ep.options["load_config"])
     config["CPU"] = {**config["CPU"], "CACHE_DIR": os.path.join(cache_dir, "openvino")}
     return {**ep.options, "load_config": json.dumps(config)}
+
+
+def prepare_model(name: str, model: bytes | str) -> bytes | str:
+    """``model`` as the provider ``name`` is given it (Note [Wide MatMuls for OpenVINO]); a path, or a
+    provider with nothing to prepare, as it is."""
+    known = PLUGINS.get(name)
+    if known is None or known.prepare is None or not isinstance(model, bytes):
+        return model
+    return known.prepare(model)
 
 
 def is_plugin(name: str) -> bool:

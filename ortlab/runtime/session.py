@@ -24,8 +24,7 @@ import onnxruntime as ort
 
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import DeviceError, SessionError, first_line
-from ortlab.runtime.openvino import prepare_for_openvino
-from ortlab.runtime.providers import bf16_provider, cpu_candidates, is_plugin, plugin, plugin_options
+from ortlab.runtime.providers import bf16_provider, cpu_candidates, is_plugin, plugin, plugin_options, prepare_model
 
 __all__ = [
     "SMALL_GRAPH_FLOPS",
@@ -291,9 +290,8 @@ def _build(source: SessionSource, optimized_path: str | None, profile_prefix: st
             # A plugin provider takes its devices; onnxruntime adds the CPU provider after it.
             ep = plugin(source.providers[0])
             so.add_provider_for_devices(list(ep.devices), plugin_options(ep, source.cache_dir))
-            if source.providers[0] == "OpenVINOExecutionProvider" and isinstance(source.model, bytes):
-                # Note [Wide MatMuls for OpenVINO]; the source names the model the session holds.
-                source = dataclasses.replace(source, model=prepare_for_openvino(source.model))
+            # The plugin's own model (Note [Wide MatMuls for OpenVINO]); the source names what the session holds.
+            source = dataclasses.replace(source, model=prepare_model(source.providers[0], source.model))
             session = ort.InferenceSession(source.model, sess_options=so)
         else:
             missing = [p for p in source.providers if p not in ort.get_available_providers()]
