@@ -80,17 +80,15 @@ _GUARD_ERRORS = ("IndexError", "RuntimeError")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
+def _input_meta(node: torch.fx.Node) -> str:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return f"{val.dtype}:{tuple(val.shape)}:{tuple(val.stride())}"
+    return type(val).__name__
+
+
 def _placeholder_meta(gm: torch.fx.GraphModule) -> list[str]:
-    metas = []
-    for node in gm.graph.nodes:
-        if node.op != "placeholder":
-            continue
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            metas.append(f"{node.name}:{val.dtype}:{tuple(val.shape)}:{tuple(val.stride())}")
-        else:
-            metas.append(f"{node.name}:{type(val).__name__}")
-    return metas
+    return [f"{node.name}:{_input_meta(node)}" for node in gm.graph.find_nodes(op="placeholder")]
 
 
 def _tensor_bytes(value: torch.Tensor) -> bytes:
@@ -122,9 +120,7 @@ def structure_key(gm: torch.fx.GraphModule) -> str:
     for i, node in enumerate(gm.graph.nodes):
         index[node] = f"%{i}"
         if node.op == "placeholder":
-            val = node.meta.get("val")
-            what = (f"{val.dtype}:{tuple(val.shape)}:{tuple(val.stride())}" if isinstance(val, torch.Tensor)
-                    else type(val).__name__)
+            what = _input_meta(node)
         elif node.op == "get_attr":
             value = getattr(gm, str(node.target), None)
             what = type(value).__name__
