@@ -144,6 +144,20 @@ def _settle(runner: OrtRunner, args: Sequence[object], entrants: list[_Entrant])
             e.times.append(_time_once(runner, args))
 
 
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
+    """``torch.allclose(a, b, rtol, atol, equal_nan=True)``, in a few passes where it holds.
+
+    allclose builds every intermediate of ``isclose`` (NaN and infinity masks included): 92 ms
+    for a 2M-element float32 tensor, 0.18 s of the GPT's first step for its two races. For
+    float32 and float64, the largest ``|a - b| - rtol * |b|`` says the same in three passes
+    (5 ms); a NaN or an infinity anywhere makes it NaN, and allclose decides as before.
+    """
+    if a.dtype not in (torch.float32, torch.float64) or a.numel() == 0:
+        return torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+    excess = torch.sub(a, b).abs_().sub_(b.abs().mul_(rtol)).max()
+    return bool(excess <= atol) or torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
+
+
 def _disagreement(reference: list, outputs: list) -> str:
     for i, (a, b) in enumerate(zip(reference, outputs)):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -151,7 +165,7 @@ def _disagreement(reference: list, outputs: list) -> str:
                 return f"output {i} is {b.dtype}{tuple(b.shape)}, expected {a.dtype}{tuple(a.shape)}"
             if a.is_floating_point():
                 rtol, atol = LOW_PRECISION_TOLERANCE.get(a.dtype, (RTOL, ATOL))
-                if not torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True):
+                if not _close(a, b, rtol, atol):
                     diff = (a.float() - b.float()).abs().nan_to_num(0).max().item()
                     return f"output {i} differs by up to {diff:.3g} (tolerance rtol {rtol}, atol {atol})"
             elif not torch.equal(a, b):

@@ -95,6 +95,29 @@ def test_a_candidate_that_disagrees_is_dropped():
     assert runner.session_source is source
 
 
+def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(1000, generator=g)
+    nan, inf = a.clone(), a.clone()
+    nan[3], inf[5] = float("nan"), float("inf")
+    cases = [(a, a + 5e-6), (a, a + 2e-5), (a, a * (1 + 2e-4)), (a, a * (1 + 5e-5)), (nan, nan.clone()),
+             (nan, a), (a, nan), (inf, inf.clone()), (inf, a), (a, inf), (-inf, inf), (a[:0], a[:0])]
+    cases += [(x.double(), y.double()) for x, y in cases[:4]]
+    cases += [(x.half(), y.half()) for x, y in cases[:4]]
+    return cases
+
+
+def test_the_race_compares_outputs_as_allclose_does():
+    from ortlab.runtime.race import ATOL, RTOL, _close
+
+    verdicts = []
+    for a, b in _pairs():
+        expected = torch.allclose(a, b, rtol=RTOL, atol=ATOL, equal_nan=True)
+        assert _close(a, b, RTOL, ATOL) == expected, (a.dtype, expected)
+        verdicts.append(expected)
+    assert True in verdicts and False in verdicts
+
+
 @pytest.mark.parametrize("candidate_s, runs", [(0.005, 1), (0.009, 3)])
 def test_a_clear_winner_is_timed_once_and_close_ones_take_turns(monkeypatch, candidate_s, runs):
     """Note [How the race times its candidates]: only candidates within CLOSE of the fastest run again."""
