@@ -2,7 +2,8 @@
 
 Every figure that depends on process state runs in a fresh child process:
 
-* first step: capture + export + session creation of the GPT (and torch.compile's);
+* first step: capture + export + session creation of the GPT (and torch.compile's), median of
+  ``--runs`` fresh processes per row;
 * peak RSS of a 50-step training run (``resource.getrusage(...).ru_maxrss``), eager
   vs ortlab, each alone in its process;
 * recompute: saved-activation bytes of ``recompute="none"`` vs ``"layerwise"`` (from
@@ -80,20 +81,33 @@ def child(mode: str, steps: int, env: dict | None = None, ortlab_first: bool = F
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def first_step() -> None:
-    print("== first step of the 4-layer GPT, fresh process (torch imported first, as in users' scripts) ==")
+def first_step(runs: int = 3) -> None:
+    print(f"== first step of the 4-layer GPT, fresh process (torch imported first, as in users' scripts); "
+          f"median of {runs} processes per row, taken in turns ==")
 
-    def show(name: str, r: dict) -> None:
+    def show(name: str, results: list[dict]) -> None:
+        r = {k: statistics.median(x[k] for x in results) for k in results[0] if k.endswith("_s")}
+        spread = sorted(x["first_s"] for x in results)
         parts = "".join(f", {k[:-2]} {r[k]:.2f} s" for k in ("capture_s", "export_s", "onnxscript_s", "session_s",
                                                             "measuring_s") if k in r)
-        print(f"{name:<28} first step {r['first_s']:6.2f} s{parts}")
+        low = f" ({spread[0]:.2f}-{spread[-1]:.2f})" if len(spread) > 1 else ""
+        print(f"{name:<30} first step {r['first_s']:6.2f} s{low}{parts}")
 
-    for mode in ("eager", "compile", "ortlab"):
-        show(mode, child(mode, 1))
-    show("ortlab, imported before torch", child("ortlab", 1, ortlab_first=True))
+    rows: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as cache:
         child("ortlab", 1, {"ORTLAB_CACHE_DIR": cache})  # fills the cache
-        show("ortlab, on-disk cache hit", child("ortlab", 1, {"ORTLAB_CACHE_DIR": cache}))
+        kinds = {
+            "eager": lambda: child("eager", 1),
+            "compile": lambda: child("compile", 1),
+            "ortlab": lambda: child("ortlab", 1),
+            "ortlab, imported before torch": lambda: child("ortlab", 1, ortlab_first=True),
+            "ortlab, on-disk cache hit": lambda: child("ortlab", 1, {"ORTLAB_CACHE_DIR": cache}),
+        }
+        for _ in range(runs):  # in turns, so a busy moment of the machine does not hit one row only
+            for name, run in kinds.items():
+                rows.setdefault(name, []).append(run())
+    for name, results in rows.items():
+        show(name, results)
     print("(capture: Dynamo + AOTAutograd + partitioning; export: torch.onnx's translation; onnxscript: its "
           "optimizer; session: building onnxruntime's sessions; measuring: the race of execution providers on the "
           "first call, with the candidates' builds; the rest of the first step is Dynamo's own tracing and the runs)")
@@ -156,9 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=("first", "rss", "recompute"))
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--runs", type=int, default=3, help="fresh processes per first-step row (median)")
     args = parser.parse_args(argv)
     if args.only in (None, "first"):
-        first_step()
+        first_step(args.runs)
     if args.only in (None, "rss"):
         peak_rss(args.steps)
     if args.only in (None, "recompute"):
