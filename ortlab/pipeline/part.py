@@ -109,8 +109,10 @@ class PartBuilder:
         self.providers = choose_providers(ctx.device.type, ctx.options, bf16=_computes_in_bf16(nodes))
         record.providers = self._first_choice = f"{', '.join(self.providers.providers)} ({self.providers.reason})"
         self._decided: dict[str, str] = {}  # part -> provider(s) a measurement chose, and how
-        # structure_key -> (the providers its race chose, the part it raced on): Note [Parts that are the same graph]
-        self._raced: dict[str, tuple[tuple[str, ...], str]] = {}
+        # structure_key -> (the providers its race chose, the part it raced on, the session that runs them):
+        # Note [Parts that are the same graph]
+        self._raced: dict[str, tuple[tuple[str, ...], str, object]] = {}
+        self._structures: set[str] = set()  # the structure_key of every part built so far
 
     def _decide(self, part: str, chosen: tuple[str, ...], how: str) -> None:
         """Record that ``part`` runs on ``chosen``: the report's providers line says what runs, not what was
@@ -130,7 +132,7 @@ class PartBuilder:
         """Forget the parts of a failed attempt (the graph is being split again)."""
         record = self.record
         record.onnx_ops, record.ort_partitions, record.parts = {}, 0, []
-        record.providers, self._decided = self._first_choice, {}
+        record.providers, self._decided, self._structures = self._first_choice, {}, set()
 
     def __call__(self, gm: torch.fx.GraphModule, part: str) -> Callable[..., list]:
         """The callable of one part: its runner, or with an observer, the runner telling it of each call.
@@ -238,8 +240,8 @@ class PartBuilder:
                 how = (f"(as measured on {result.followed}, the same graph)" if result.followed
                        else "(measured fastest on the first call)")
                 self._decide(part, result.chosen, how)
-                if not result.followed:
-                    self._raced.setdefault(same, (result.chosen, where))
+                if not result.followed:  # what won, and the session that runs it (the race swapped it in)
+                    self._raced.setdefault(same, (result.chosen, where, runner.session))
             won = runner.session_source
             if won is not first and isinstance(won.model, bytes) and self.ctx.stages.wants("execution"):
                 # The execution stage was the first session's optimized model; the winner runs its own.
@@ -256,8 +258,17 @@ class PartBuilder:
         # Note [Candidates build while the graph is still being compiled] in ortlab.runtime.race; not where a
         # static input has no elements, on which OpenVINO's compiler kills the process (the race drops it).
         static_empty = _has_empty_input(i.shape for i in runner.session.get_inputs())
-        runner.race = make_race(sources, decided, prebuilt=None if static_empty else prebuild(sources),
-                                follow=lambda: self._raced.get(same))
+        # Note [Parts that are the same graph]: a part with an earlier part's graph will follow its race,
+        # running its session: no candidate is built for it unless it has to race on its own.
+        follower = same in self._structures
+        self._structures.add(same)
+        runner.race = make_race(sources, decided, prebuilt=None if static_empty or follower else prebuild(sources),
+                                follow=lambda: self._follow(same))
+
+    def _follow(self, same: str) -> tuple[tuple[str, ...], str, object | None] | None:
+        """The providers the race of the first part with the graph ``same`` chose, that part's label, and the
+        session it runs them with (Note [Parts that are the same graph] in ``ortlab.runtime.race``)."""
+        return self._raced.get(same)
 
     def _label(self, part: str) -> str:
         return label(self.ctx.capture, self.record.name, part)

@@ -55,10 +55,13 @@ class RaceResult:
     runs: int = 1  # timed runs of the most-measured candidate (Note [How the race times its candidates])
     followed: str = ""  # the part whose race decided this one (Note [Parts that are the same graph])
     checked: bool = False  # a followed winner other than the first-built session agreed with its outputs
+    shared: bool = False  # ... and it runs the followed part's session (Note [Parts that are the same graph])
 
     def describe(self) -> str:
         if self.followed:
             how = "outputs checked on this part's first call" if self.checked else "the session it was built with"
+            if self.shared:
+                how += f", running {self.followed}'s session"
             text = f"{'+'.join(self.chosen)} as measured on {self.followed}, the same graph ({how}; {self.seconds:.2f} s)"
             for name, why in self.dropped.items():
                 text += f"; {name} dropped: {why}"
@@ -121,7 +124,15 @@ CLOSE = 1.15
 # takes that race's winner: its first call runs on the first-built session as usual, then
 # once on the winner's session, whose outputs must agree like any candidate's; a winner that
 # disagrees sends the part to a race of its own. The report says which part it followed.
-Follow = Callable[[], "tuple[tuple[str, ...], str] | None"]
+# The model of such a part is the earlier part's but for its names, so where the earlier
+# part's winning session is at hand, the follower runs that very session (its inputs and
+# outputs matched by position, ``OrtRunner.share_session``) instead of building its own: on
+# BERT's forward, 44 followers no longer compile a model of their own in OpenVINO (0.15-0.3 s
+# each, and the memory of each compiled copy), and no candidate is built for a part that will
+# follow (``prebuild`` is not called for it). Its own session (the first-built provider) stays
+# its own; tools that build a session like the runner's (profiling twins) build from the
+# part's own model (``session_source``), so their kernels carry this part's names.
+Follow = Callable[[], "tuple[tuple[str, ...], str, object | None] | None"]
 
 
 @dataclasses.dataclass
@@ -222,9 +233,10 @@ def _has_empty(args: Sequence[object]) -> bool:
 
 def _follow(runner: OrtRunner, args: Sequence[object], reference: list, candidates: Sequence[SessionSource],
             prebuilt: Sequence[concurrent.futures.Future] | None, chosen: tuple[str, ...], where: str,
-            start: float) -> RaceResult | None:
-    """Take the providers ``chosen`` by the race of ``where`` (Note [Parts that are the same graph]);
-    None when that provider cannot run this part or disagrees with ``reference``."""
+            shared: object | None, start: float) -> RaceResult | None:
+    """Take the providers ``chosen`` by the race of ``where`` (Note [Parts that are the same graph]), running
+    ``shared`` (that part's session, when given) or a session of this part's own; None when that provider
+    cannot run this part or disagrees with ``reference``."""
     first = runner.session_source
     result = RaceResult(chosen, {}, {}, followed=where)
     if first is not None and first.providers == chosen:
@@ -233,12 +245,15 @@ def _follow(runner: OrtRunner, args: Sequence[object], reference: list, candidat
     index = next((i for i, c in enumerate(candidates) if c.providers == chosen), None)
     if index is None or first is None or (is_plugin(chosen[0]) and _has_empty(args)):
         return None  # Note [OpenVINO and tensors with no elements]: the race of its own drops the plugin
+    own = runner.session
     try:
-        built = prebuilt[index].result() if prebuilt else candidates[index].rebuild(quiet=True)
+        if shared is not None:
+            runner.share_session(shared)
+        else:
+            runner.swap_session((prebuilt[index].result() if prebuilt else candidates[index].rebuild(quiet=True))
+                                .session)
     except Exception:  # noqa: BLE001 - the race of its own says why
         return None
-    own = runner.session
-    runner.swap_session(built.session)
     try:
         why = _disagreement(reference, runner.run(args))
     except Exception:  # noqa: BLE001 - the race of its own says why
@@ -248,7 +263,7 @@ def _follow(runner: OrtRunner, args: Sequence[object], reference: list, candidat
         return None
     runner.session_source = candidates[index]
     runner.shrink_arena_on_next_run()
-    result.checked = True
+    result.checked, result.shared = True, shared is not None
     result.seconds = time.perf_counter() - start
     return result
 
@@ -266,7 +281,7 @@ def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResu
         reference = runner.run(args)  # the call's own run, and the first session's warm-up
         earlier = follow() if follow is not None else None
         if earlier is not None:
-            followed = _follow(runner, args, reference, candidates, prebuilt, *earlier, start)
+            followed = _follow(runner, args, reference, candidates, prebuilt, *earlier, start=start)
             if followed is not None:
                 on_result(followed)
                 return reference

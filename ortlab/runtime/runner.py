@@ -114,6 +114,10 @@ class OrtRunner:
         self.input_names = [i.name for i in session.get_inputs()]
         self._input_np = [_ONNX_NP.get(i.type) for i in session.get_inputs()]
         self.output_names = [o.name for o in session.get_outputs()]
+        # The names the current session is fed and fetched by: the runner's own, or those of a
+        # session of the same graph shared with another part (``share_session``).
+        self._feed, self._fetch = self.input_names, self.output_names
+        self._shared: ort.InferenceSession | None = None  # the last session shared with this runner
         self.input_kinds = input_kinds
         self.output_kinds = output_kinds
         self.output_dtypes = output_dtypes
@@ -146,7 +150,7 @@ class OrtRunner:
 
     def release(self) -> None:
         """Free the session and what it was built from; a later call raises ``SessionError``."""
-        self.session = self._sess = self.session_source = None  # type: ignore[assignment]
+        self.session = self._sess = self.session_source = self._shared = None  # type: ignore[assignment]
         self._no_data = None  # type: ignore[assignment]
 
     def _retype(self, tensors: list, np_dtypes: list) -> tuple[list, list]:
@@ -168,7 +172,8 @@ class OrtRunner:
         """Run ``session`` from the next call on; returns the session it replaces.
 
         ``session`` must have the same inputs and outputs, in the same order (a twin
-        built from :attr:`session_source`). Swap between calls, never while one runs; swapping
+        built from :attr:`session_source`), or be the session another part shares with this
+        one (``share_session``; the one a swap returned). Swap between calls, never while one runs; swapping
         the returned session back restores the runner exactly. The call path is the
         same for any session, so swapping costs nothing per call.
 
@@ -181,6 +186,8 @@ class OrtRunner:
             >>> runner.swap_session(original) is twin    # doctest: +SKIP
             True
         """
+        if session is self._shared:  # swapping back the session another part shares (share_session)
+            return self.share_session(session)
         inputs = [i.name for i in session.get_inputs()]
         outputs = [o.name for o in session.get_outputs()]
         if inputs != self.input_names or outputs != self.output_names:
@@ -191,6 +198,34 @@ class OrtRunner:
             )
         old = self.session
         self.session, self._sess = session, session_core(session)
+        self._feed, self._fetch = self.input_names, self.output_names
+        return old
+
+    def share_session(self, session: ort.InferenceSession) -> ort.InferenceSession:
+        """Run ``session``, built from another part of the same graph, from the next call on; returns the
+        session it replaces (``swap_session`` puts it back).
+
+        Its inputs and outputs are matched by position, so they must agree with this runner's in number,
+        type and shape (Note [Parts that are the same graph] in ``ortlab.runtime.race``: two parts with the
+        same ``structure_key`` export the same model but for its names).
+
+        Raises:
+            SessionError: when ``session``'s inputs or outputs differ from the runner's by position.
+        """
+        own_in, own_out = self.session.get_inputs(), self.session.get_outputs()
+        new_in, new_out = session.get_inputs(), session.get_outputs()
+
+        def described(args: list) -> list[tuple[str, tuple]]:
+            return [(a.type, tuple(a.shape)) for a in args]
+
+        if described(own_in) != described(new_in) or described(own_out) != described(new_out):
+            raise SessionError(
+                f"cannot share a session with inputs {described(new_in)} and outputs {described(new_out)}: this "
+                f"part's session has inputs {described(own_in)} and outputs {described(own_out)}"
+            )
+        old = self.session
+        self.session, self._sess, self._shared = session, session_core(session), session
+        self._feed, self._fetch = [i.name for i in new_in], [o.name for o in new_out]
         return old
 
     def shrink_arena_on_next_run(self) -> None:
@@ -210,12 +245,12 @@ class OrtRunner:
         outputs = OrtValueVector()
         try:
             self._sess.run_with_ortvaluevector(
-                shrink, self.input_names, inputs, self.output_names, outputs, self._out_devices
+                shrink, self._feed, inputs, self._fetch, outputs, self._out_devices
             )
         except Exception:  # noqa: BLE001 - retried plainly; a real failure raises again below
             outputs = OrtValueVector()
             self._sess.run_with_ortvaluevector(
-                self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
+                self._run_options, self._feed, inputs, self._fetch, outputs, self._out_devices
             )
         give_back_freed_heap()
         return outputs
@@ -263,12 +298,12 @@ class OrtRunner:
             outputs = self._shrinking_run(inputs)
         elif self.span is None:
             self._sess.run_with_ortvaluevector(
-                self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
+                self._run_options, self._feed, inputs, self._fetch, outputs, self._out_devices
             )
         else:  # a timeline is being recorded: the run shows in torch.profiler's trace as a span
             with torch.profiler.record_function(self.span):
                 self._sess.run_with_ortvaluevector(
-                    self._run_options, self.input_names, inputs, self.output_names, outputs, self._out_devices
+                    self._run_options, self._feed, inputs, self._fetch, outputs, self._out_devices
                 )
         produced = iter(outputs.to_dlpacks(from_dlpack_capsule))
         result: list = []

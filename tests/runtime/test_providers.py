@@ -426,6 +426,16 @@ def test_parts_that_are_the_same_graph_follow_the_first_race(monkeypatch):
             layers += [nn.Linear(32, 32), nn.Tanh(), nn.Dropout(0.25)]
         return nn.Sequential(*layers, nn.Linear(32, 4))
 
+    builds = {"n": 0}
+    real_prebuild = race_module.prebuild
+
+    def counted(candidates):  # noqa: ANN001, ANN202
+        builds["n"] += len(candidates)
+        return real_prebuild(candidates)
+
+    from ortlab.pipeline import part as part_module
+
+    monkeypatch.setattr(part_module, "prebuild", counted)
     x = torch.randn(16, 32)
     for disagree in (False, True):
         if disagree:  # every check after the first race's fails: the followers race on their own
@@ -449,7 +459,21 @@ def test_parts_that_are_the_same_graph_follow_the_first_race(monkeypatch):
         if not disagree:
             assert len(notes) >= 4 and len(followed) >= 2, notes
             assert all("AzureExecutionProvider as measured on" in n and "the same graph (outputs checked" in n
-                       for n in followed), followed
+                       and "'s session" in n for n in followed), followed
+            # the followers run their leader's session, and no candidate was built for them
+            runners = [p.runner for p in forward.parts]
+            sessions = {id(r.session) for r in runners}
+            assert len(sessions) < len(runners), "followers share their leader's session"
+            assert all(r.session.get_providers()[0] == "AzureExecutionProvider" for r in runners
+                       if r.session_source.providers[0] == "AzureExecutionProvider")
+            assert builds["n"] == len(runners) - len(followed), (builds, len(runners), len(followed))
+            # a profiling twin (built from the follower's own model) swaps in and the shared session back out
+            follower = next(r for r in runners if sum(q.session is r.session for q in runners) > 1
+                            and r.session_source.model is not None and r._feed != r.input_names)
+            shared = follower.session
+            twin = follower.session_source.rebuild()
+            assert follower.swap_session(twin.session) is shared
+            assert follower.swap_session(shared) is twin.session and follower.session is shared
             assert "(as measured on g0.forward.fused_" in forward.providers
             assert forward.race_s > 0
         else:
@@ -477,6 +501,7 @@ def test_a_follower_with_an_empty_input_does_not_build_a_plugin():
     first = SessionSource(b"", "all", ("CPUExecutionProvider",), 1, 3)
     runner = types.SimpleNamespace(session_source=first)
     plugin = dataclasses.replace(first, providers=("OpenVINOExecutionProvider",))
-    followed = race_module._follow(runner, [torch.zeros(0, 4)], [], [plugin], [Untouchable()],
-                                   ("OpenVINOExecutionProvider",), "g0.forward.fused_2", 0.0)
-    assert followed is None and not asked  # the part races on its own, which drops the plugin with its reason
+    for shared in (None, Untouchable()):
+        followed = race_module._follow(runner, [torch.zeros(0, 4)], [], [plugin], [Untouchable()],
+                                       ("OpenVINOExecutionProvider",), "g0.forward.fused_2", shared, 0.0)
+        assert followed is None and not asked  # the part races on its own, which drops the plugin with its reason
