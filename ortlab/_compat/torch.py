@@ -293,7 +293,7 @@ def translate_fx_graph(graph: torch.fx.Graph, model: Any, registry: Any) -> dict
 # still run (by the pass itself, which writes its new value to ``meta["val"]``), and a node
 # without a value runs as before. On the GPT's forward and backward the pass took 0.23 s of
 # the first step, the same graphs come out of it node for node
-# (tests/test_export.py::test_type_promotion_from_meta_is_torchs).
+# (tests/test_type_promotion.py).
 def _promotion_from_meta() -> type | None:
     try:
         from torch.onnx._internal.fx.passes import type_promotion as tp

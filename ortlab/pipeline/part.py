@@ -263,12 +263,7 @@ class PartBuilder:
         follower = same in self._structures
         self._structures.add(same)
         runner.race = make_race(sources, decided, prebuilt=None if static_empty or follower else prebuild(sources),
-                                follow=lambda: self._follow(same))
-
-    def _follow(self, same: str) -> tuple[tuple[str, ...], str, object | None] | None:
-        """The providers the race of the first part with the graph ``same`` chose, that part's label, and the
-        session it runs them with (Note [Parts that are the same graph] in ``ortlab.runtime.race``)."""
-        return self._raced.get(same)
+                                follow=lambda: self._raced.get(same))
 
     def _label(self, part: str) -> str:
         return label(self.ctx.capture, self.record.name, part)
