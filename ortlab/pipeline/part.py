@@ -45,7 +45,7 @@ from ortlab.runtime.kernels import missing_kernels
 from ortlab.runtime.observe import GraphObserver, observed_part
 from ortlab.runtime.providers import is_plugin
 from ortlab.runtime.runner import OrtRunner
-from ortlab.runtime.race import RaceResult, make_race, prebuild
+from ortlab.runtime.race import RaceResult, float64_judge, make_race, prebuild
 from ortlab.runtime.session import (
     BuiltSession,
     ThreadChoice,
@@ -163,7 +163,7 @@ class PartBuilder:
                 "device": str(ctx.device),
             }
             entry = CacheEntry(ctx.options.cache_dir, cache_key(gm, {}, settings))
-            hit = self._from_cache(entry, part, threads, same)
+            hit = self._from_cache(entry, part, threads, same, gm)
             if hit is not None:
                 return hit
         onnx_name = record.name if not part else f"{record.name}_{part}"
@@ -194,7 +194,7 @@ class PartBuilder:
         self._count(exported.op_counts())
         runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
                            exported.output_sources, ctx.device, built.source, exported.guards)
-        self._race(runner, part, entry, same)
+        self._race(runner, part, entry, same, gm)
         given = "onnxscript" if ctx.options.graph_optimization_level != "disable" else "exported"
         record.parts.append(PartRecord(part, self._label(part), runner, exported, given))
         return runner
@@ -202,10 +202,12 @@ class PartBuilder:
     def _all_candidates(self) -> list[tuple[str, ...]]:
         return [tuple(self.providers.providers), *self.providers.candidates]
 
-    def _race(self, runner: OrtRunner, part: str, entry: CacheEntry | None, same: str) -> None:
+    def _race(self, runner: OrtRunner, part: str, entry: CacheEntry | None, same: str,
+              gm: torch.fx.GraphModule) -> None:
         """Measure the other candidate providers on the part's first call (``ortlab.runtime.race``);
         the decision is stored with the cache entry (Note [Stored provider decisions]). A part whose
-        graph (``same``, its ``structure_key``) was raced before follows that race's winner."""
+        graph (``same``, its ``structure_key``) was raced before follows that race's winner; ``gm``, run in
+        float64, decides a disagreement (Note [Float64 decides a disagreement])."""
         if not self.providers.candidates or runner.session_source is None:
             return
         if self.ctx.options.profile:
@@ -263,7 +265,7 @@ class PartBuilder:
         follower = same in self._structures
         self._structures.add(same)
         runner.race = make_race(sources, decided, prebuilt=None if static_empty or follower else prebuild(sources),
-                                follow=lambda: self._raced.get(same))
+                                follow=lambda: self._raced.get(same), judge=float64_judge(gm))
 
     def _label(self, part: str) -> str:
         return label(self.ctx.capture, self.record.name, part)
@@ -352,7 +354,8 @@ class PartBuilder:
             self.record.onnx_ops[op] = self.record.onnx_ops.get(op, 0) + count
         self.record.ort_partitions += 1
 
-    def _from_cache(self, entry: CacheEntry, part: str, threads: ThreadChoice, same: str) -> OrtRunner | None:
+    def _from_cache(self, entry: CacheEntry, part: str, threads: ThreadChoice, same: str,
+                    gm: torch.fx.GraphModule) -> OrtRunner | None:
         cached = load_entry(entry)  # checked; see Note [Trusting a cache entry] in ortlab.runtime.cache
         if cached is None:
             return None
@@ -388,7 +391,7 @@ class PartBuilder:
             self.record.notes.append(f"{self._label(part)} providers: {'+'.join(decision.chosen)}, as measured "
                                      f"in an earlier process and stored with the cache entry ({decision.described})")
         else:
-            self._race(runner, part, entry, same)
+            self._race(runner, part, entry, same, gm)
         self.record.parts.append(PartRecord(part, self._label(part), runner, None, "execution"))
         return runner
 

@@ -95,6 +95,59 @@ def test_a_candidate_that_disagrees_is_dropped():
     assert runner.session_source is source
 
 
+@pytest.mark.parametrize("wrong", ["first session", "candidate"])
+def test_float64_decides_a_disagreement(wrong):
+    """Note [Float64 decides a disagreement]: of two float32 answers beyond the tolerance of each other,
+    the candidate is kept when it is no further from float64 than the first session, dropped otherwise."""
+    om = _trained_module()
+    runner = _runners(om)[0]
+    source = runner.session_source
+    results: list[RaceResult] = []
+    real_run = runner.run
+    calls = {"n": 0}
+
+    def judge(args):  # noqa: ANN001, ANN202 - the unskewed outputs, widened, stand for float64's
+        return [o.double() if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in real_run(args)]
+
+    def skewed(args):  # noqa: ANN001, ANN202 - the first run is the first session's, then the candidate's
+        calls["n"] += 1
+        out = real_run(args)
+        skew = calls["n"] == (1 if wrong == "first session" else 2)
+        return [o + 1e-3 if skew and isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in out]
+
+    runner.race = make_race([dataclasses.replace(source, threads=2)], results.append, judge=judge)
+    runner.run = skewed
+    om(make_batch("tiny", 8)[0])
+    (result,) = results
+    if wrong == "first session":
+        (kept,) = result.judged.values()
+        assert "no further from float64 than the first session" in kept and not result.dropped
+        assert "kept: output" in result.describe()
+    else:
+        (dropped,) = result.dropped.values()
+        assert "further from float64 than the first session" in dropped and not result.judged
+        assert runner.session_source is source
+
+
+def test_the_float64_judge_runs_a_graph_in_float64():
+    from ortlab.runtime.race import float64_judge
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.tensor([3.0]))
+
+        def forward(self, x: torch.Tensor, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return (x * self.scale).sum().to(torch.float32) + torch.ones(1, dtype=torch.float32), n * 2
+
+    gm = torch.fx.symbolic_trace(Scaled())
+    x, n = torch.randn(1000), torch.arange(3)
+    y, m = float64_judge(gm)([x, n])
+    assert y.dtype == torch.float64 and torch.equal(m, n * 2)
+    torch.testing.assert_close(y, (x.double() * 3).sum().reshape(1) + 1, rtol=0, atol=1e-12)
+    assert float64_judge(torch.fx.symbolic_trace(lambda x: x.view(-1, 7)))([x]) is None  # cannot run: no judge
+
+
 def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     a = torch.randn(1000, generator=g)
