@@ -203,10 +203,11 @@ def _disagreement(reference: list, outputs: list) -> str:
 # float64 (float32 inputs, constants and dtype arguments widened), and the candidate is kept
 # if, for every float output, its largest error beyond rtol * |truth| is within twice the
 # first session's plus atol; integer and boolean outputs must still be equal, and a graph
-# that cannot run in float64 leaves the candidate dropped as before. The report names every
+# that cannot run in float64 (or whose inputs and outputs in float64 would not fit in half of
+# the memory free) leaves the candidate dropped as before. The report names every
 # candidate kept this way with both errors. (ResNet-18's forward, measured then: OpenVINO
 # 235 ms against the CPU provider's 66 ms, so the decision is now made on time.)
-Judge = Callable[[Sequence[object]], "list | None"]
+Judge = Callable[[Sequence[object], Sequence[object]], "list | None"]
 
 
 def _excess(values: torch.Tensor, truth: torch.Tensor, rtol: float) -> float:
@@ -247,6 +248,16 @@ def _judged(reference: list, outputs: list, truth: list) -> tuple[bool, str]:
                   f"the first session's {theirs_worst:.3g})")
 
 
+def _free_bytes(device: torch.device) -> float:
+    """Memory free on ``device`` now (inf where it cannot be read)."""
+    try:
+        if device.type == "cuda":
+            return float(torch.cuda.mem_get_info(device)[0])
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError, RuntimeError):  # not Linux; no CUDA
+        return float("inf")
+
+
 def float64_judge(gm: torch.fx.GraphModule) -> Judge:
     """Runs ``gm`` in float64 on a part's inputs (Note [Float64 decides a disagreement]); None when it cannot."""
 
@@ -270,7 +281,13 @@ def float64_judge(gm: torch.fx.GraphModule) -> Judge:
             return (tuple(torch.float64 if a is torch.float32 else a for a in args),
                     {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()})
 
-    def judge(args: Sequence[object]) -> list | None:
+    def judge(args: Sequence[object], reference: Sequence[object] = ()) -> list | None:
+        # Its inputs and outputs in float64, all alive at the end, must fit in half of the memory free now.
+        tensors = [t for t in (*args, *reference) if isinstance(t, torch.Tensor)]
+        need = sum(t.numel() * (8 if t.is_floating_point() else t.element_size()) for t in tensors)
+        device = next((t.device for t in tensors), torch.device("cpu"))
+        if need > _free_bytes(device) / 2:
+            return None
         try:
             with torch.no_grad():
                 out = Float64(gm).run(*[widen(a) for a in args])
@@ -407,7 +424,7 @@ def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResu
                 why = _disagreement(reference, outputs)
                 if why and judge is not None:
                     if truth is None:
-                        truth = judge(args) or []
+                        truth = judge(args, reference) or []
                     kept, figures = _judged(reference, outputs, truth)
                     if kept:
                         result.judged[name], why = f"{why}, but {figures}", ""

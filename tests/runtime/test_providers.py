@@ -106,7 +106,7 @@ def test_float64_decides_a_disagreement(wrong):
     real_run = runner.run
     calls = {"n": 0}
 
-    def judge(args):  # noqa: ANN001, ANN202 - the unskewed outputs, widened, stand for float64's
+    def judge(args, reference=()):  # noqa: ANN001, ANN202 - the unskewed outputs, widened, stand for float64's
         return [o.double() if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in real_run(args)]
 
     def skewed(args):  # noqa: ANN001, ANN202 - the first run is the first session's, then the candidate's
@@ -146,6 +146,16 @@ def test_the_float64_judge_runs_a_graph_in_float64():
     assert y.dtype == torch.float64 and torch.equal(m, n * 2)
     torch.testing.assert_close(y, (x.double() * 3).sum().reshape(1) + 1, rtol=0, atol=1e-12)
     assert float64_judge(torch.fx.symbolic_trace(lambda x: x.view(-1, 7)))([x]) is None  # cannot run: no judge
+
+
+def test_the_float64_judge_does_not_run_where_memory_is_short(monkeypatch):
+    from ortlab.runtime import race as race_module
+
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    x = torch.randn(1000)
+    assert race_module.float64_judge(gm)([x], [x * 2]) is not None
+    monkeypatch.setattr(race_module, "_free_bytes", lambda device: 3 * 8 * 1000.0)  # under twice its 16 kB
+    assert race_module.float64_judge(gm)([x], [x * 2]) is None
 
 
 def _pairs() -> list[tuple[torch.Tensor, torch.Tensor]]:
