@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import os
 import statistics
 import threading
@@ -217,14 +218,14 @@ def _excess(values: torch.Tensor, truth: torch.Tensor, rtol: float) -> float:
     err = (v - t).abs().sub_(t.abs().mul_(rtol)).masked_fill_(both_nan, 0.0)
     if err.numel() == 0:
         return 0.0
-    return float(err.nan_to_num(nan=float("inf")).max())
+    return float(err.nan_to_num(nan=float("inf"), posinf=float("inf")).max())
 
 
 def _judged(reference: list, outputs: list, truth: list) -> tuple[bool, str]:
     """Whether ``outputs`` is no further from the float64 ``truth`` than ``reference`` allows, and the
     figures that say so (Note [Float64 decides a disagreement])."""
     if len(truth) != len(reference):
-        return False, "the graph did not run in float64"
+        return False, "float64 could not judge it (the graph did not run in float64 here)"
     ours_worst = theirs_worst = 0.0
     for a, b, t in zip(reference, outputs, truth):
         if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
@@ -238,9 +239,10 @@ def _judged(reference: list, outputs: list, truth: list) -> tuple[bool, str]:
         if a.dtype not in (torch.float32, torch.float64):
             return False, ""  # a low-precision output keeps its own tolerance
         if not isinstance(t, torch.Tensor) or t.shape != a.shape:
-            return False, "the graph did not run in float64"
+            return False, "float64 could not judge it (the graph did not run in float64 here)"
         ours, theirs = _excess(b, t, RTOL), _excess(a, t, RTOL)
-        if ours > 2 * max(theirs, 0.0) + ATOL:
+        allowed = 2 * max(theirs, 0.0) + ATOL if math.isfinite(theirs) else ATOL  # never "as bad as an inf"
+        if ours > allowed:
             return False, (f"further from float64 than the first session (largest error beyond rtol {ours:.3g}, "
                            f"the first session's {theirs:.3g})")
         ours_worst, theirs_worst = max(ours_worst, ours), max(theirs_worst, theirs)

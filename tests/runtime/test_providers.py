@@ -148,6 +148,16 @@ def test_the_float64_judge_runs_a_graph_in_float64():
     assert float64_judge(torch.fx.symbolic_trace(lambda x: x.view(-1, 7)))([x]) is None  # cannot run: no judge
 
 
+def test_an_overflowing_first_session_does_not_excuse_a_candidate():
+    from ortlab.runtime.race import _judged
+
+    truth = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    first = torch.tensor([1.0, float("inf"), 3.0])
+    assert not _judged([first], [torch.tensor([9.0, 2.0, 3.0])], [truth])[0]
+    assert _judged([first], [torch.tensor([1.0, 2.0, 3.0])], [truth])[0]
+    assert not _judged([torch.tensor([1, 2])], [torch.tensor([1, 3])], [torch.tensor([1, 2])])[0]  # integers: equal
+
+
 def test_the_float64_judge_does_not_run_where_memory_is_short(monkeypatch):
     from ortlab.runtime import race as race_module
 
