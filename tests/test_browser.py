@@ -414,21 +414,30 @@ def test_timeline_shows_inline(lab, browser):
         " return {from: at(run.base[r], run.y[r]), to: at(run.base[r] + run.x[r], run.y[r]),"
         "         kernel: at(k.base[best] + k.x[best] / 2, k.y[best])}; }"
     )
-    spots = page.evaluate(where)
-    page.mouse.move(box["x"] + spots["from"]["x"] - 2, box["y"] + spots["from"]["y"])
-    page.mouse.down()
-    page.mouse.move(box["x"] + spots["to"]["x"] + 2, box["y"] + spots["to"]["y"], steps=8)
-    page.mouse.up()
-    # Let the zoom's redraw settle (a busy machine takes seconds): the same x range twice, 0.3 s apart.
     settled = ("() => { const plots = document.querySelectorAll('.js-plotly-plot');"
                " return JSON.stringify(plots[plots.length - 1]._fullLayout.xaxis.range); }")
-    last = None
-    for _ in range(40):
-        page.wait_for_timeout(300)
-        now = page.evaluate(settled)
-        if now == last:
+    # The x range shown, against the forward's session run: zoomed in when it is at most a few runs wide.
+    zoomed = ("() => { const plots = document.querySelectorAll('.js-plotly-plot'); const p = plots[plots.length - 1];"
+              " const run = p.data.find(t => t.name === 'onnxruntime session run');"
+              " const r = run.y.indexOf('onnxruntime g0.forward'), range = p._fullLayout.xaxis.range;"
+              " return range[1] - range[0] <= 4 * run.x[r]; }")
+    for _ in range(3):  # on a busy machine a drag made while plotly still redraws may not zoom: drag again
+        plot.scroll_into_view_if_needed()
+        box, spots = plot.bounding_box(), page.evaluate(where)
+        page.mouse.move(box["x"] + spots["from"]["x"] - 2, box["y"] + spots["from"]["y"])
+        page.mouse.down()
+        page.mouse.move(box["x"] + spots["to"]["x"] + 2, box["y"] + spots["to"]["y"], steps=8)
+        page.mouse.up()
+        # Let the zoom's redraw settle (a busy machine takes seconds): the same x range twice, 0.3 s apart.
+        last = None
+        for _ in range(40):
+            page.wait_for_timeout(300)
+            now = page.evaluate(settled)
+            if now == last:
+                break
+            last = now
+        if page.evaluate(zoomed):
             break
-        last = now
     # Hover the kernel; on a busy machine plotly may miss one move: nudge and try again. The plot's
     # box and the kernel's spot are read again each time: the redraw can move the page.
     for nudge in (0, 1, -1, 2, -2, 0):
