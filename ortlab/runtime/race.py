@@ -175,21 +175,25 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float) -> bool:
     return bool(excess <= atol) or torch.allclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
 
 
-def _disagreement(reference: list, outputs: list) -> str:
-    for i, (a, b) in enumerate(zip(reference, outputs)):
-        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-            if a.shape != b.shape or a.dtype != b.dtype:
-                return f"output {i} is {b.dtype}{tuple(b.shape)}, expected {a.dtype}{tuple(a.shape)}"
-            if a.is_floating_point():
-                rtol, atol = LOW_PRECISION_TOLERANCE.get(a.dtype, (RTOL, ATOL))
-                if not _close(a, b, rtol, atol):
-                    diff = (a.float() - b.float()).abs().nan_to_num(0).max().item()
-                    return f"output {i} differs by up to {diff:.3g} (tolerance rtol {rtol}, atol {atol})"
-            elif not torch.equal(a, b):
-                return f"output {i} differs (exact match required for {a.dtype})"
-        elif a != b:
-            return f"output {i} is {b!r}, expected {a!r}"
+def _differs(i: int, a: object, b: object) -> str:
+    """Why output ``i`` (``b``) disagrees with the first session's (``a``); "" when it agrees."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return f"output {i} is {b.dtype}{tuple(b.shape)}, expected {a.dtype}{tuple(a.shape)}"
+        if a.is_floating_point():
+            rtol, atol = LOW_PRECISION_TOLERANCE.get(a.dtype, (RTOL, ATOL))
+            if not _close(a, b, rtol, atol):
+                diff = (a.float() - b.float()).abs().nan_to_num(0).max().item()
+                return f"output {i} differs by up to {diff:.3g} (tolerance rtol {rtol}, atol {atol})"
+        elif not torch.equal(a, b):
+            return f"output {i} differs (exact match required for {a.dtype})"
+    elif a != b:
+        return f"output {i} is {b!r}, expected {a!r}"
     return ""
+
+
+def _disagreement(reference: list, outputs: list) -> str:
+    return next((why for i, (a, b) in enumerate(zip(reference, outputs)) if (why := _differs(i, a, b))), "")
 
 
 # Note [Float64 decides a disagreement]
@@ -202,8 +206,8 @@ def _disagreement(reference: list, outputs: list) -> str:
 # ortlab's 3.4e-3). Which of two float32 answers is right is a question for float64: when a
 # candidate's outputs disagree (and only then), the part's FX graph runs once in PyTorch in
 # float64 (float32 inputs, constants and dtype arguments widened), and the candidate is kept
-# if, for every float output, its largest error beyond rtol * |truth| is within twice the
-# first session's plus atol; integer and boolean outputs must still be equal, and a graph
+# if, for every float output that disagrees, its largest error beyond rtol * |truth| is
+# within twice the first session's plus atol; integer and boolean outputs must still be equal, and a graph
 # that cannot run in float64 (or whose inputs and outputs in float64 would not fit in half of
 # the memory free) leaves the candidate dropped as before. The report names every
 # candidate kept this way with both errors. (ResNet-18's forward, measured then: OpenVINO
@@ -223,21 +227,17 @@ def _excess(values: torch.Tensor, truth: torch.Tensor, rtol: float) -> float:
 
 def _judged(reference: list, outputs: list, truth: list) -> tuple[bool, str]:
     """Whether ``outputs`` is no further from the float64 ``truth`` than ``reference`` allows, and the
-    figures that say so (Note [Float64 decides a disagreement])."""
+    figures that say so (Note [Float64 decides a disagreement]). Only float32 and float64 values that
+    differ beyond the tolerance are judged; any other disagreement stands."""
     if len(truth) != len(reference):
         return False, "float64 could not judge it (the graph did not run in float64 here)"
     ours_worst = theirs_worst = 0.0
-    for a, b, t in zip(reference, outputs, truth):
-        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
-            if a != b:
-                return False, ""
+    for i, (a, b, t) in enumerate(zip(reference, outputs, truth)):
+        if not _differs(i, a, b):
             continue
-        if a.shape != b.shape or a.dtype != b.dtype or (not a.is_floating_point() and not torch.equal(a, b)):
-            return False, ""
-        if not a.is_floating_point():
-            continue
-        if a.dtype not in (torch.float32, torch.float64):
-            return False, ""  # a low-precision output keeps its own tolerance
+        if not isinstance(a, torch.Tensor) or a.dtype not in (torch.float32, torch.float64) or a.shape != b.shape \
+                or a.dtype != b.dtype:
+            return False, ""  # a shape, a type, an integer or a low-precision value: no float64 question
         if not isinstance(t, torch.Tensor) or t.shape != a.shape:
             return False, "float64 could not judge it (the graph did not run in float64 here)"
         ours, theirs = _excess(b, t, RTOL), _excess(a, t, RTOL)
@@ -260,28 +260,35 @@ def _free_bytes(device: torch.device) -> float:
         return float("inf")
 
 
+def _widen_dtype(value: object) -> object:
+    """A float32 dtype argument as float64; anything else as it is."""
+    return torch.float64 if value is torch.float32 else value
+
+
+def _widen(value: object) -> object:
+    """A float32 tensor or dtype argument in float64; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+        return value.double()
+    return _widen_dtype(value)
+
+
+class _Float64(torch.fx.Interpreter):
+    """Runs an FX graph with its float32 constants and dtype arguments widened to float64."""
+
+    def get_attr(self, target, args, kwargs):  # noqa: ANN001, ANN201
+        return _widen(super().get_attr(target, args, kwargs))
+
+    def call_function(self, target, args, kwargs):  # noqa: ANN001, ANN201
+        return super().call_function(target, tuple(map(_widen_dtype, args)),
+                                     {k: _widen_dtype(v) for k, v in kwargs.items()})
+
+    def call_method(self, target, args, kwargs):  # noqa: ANN001, ANN201
+        return super().call_method(target, tuple(map(_widen_dtype, args)),
+                                   {k: _widen_dtype(v) for k, v in kwargs.items()})
+
+
 def float64_judge(gm: torch.fx.GraphModule) -> Judge:
     """Runs ``gm`` in float64 on a part's inputs (Note [Float64 decides a disagreement]); None when it cannot."""
-
-    def widen(value: object) -> object:
-        if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
-            return value.double()
-        return torch.float64 if value is torch.float32 else value
-
-    class Float64(torch.fx.Interpreter):
-        def get_attr(self, target, args, kwargs):  # noqa: ANN001, ANN202
-            return widen(super().get_attr(target, args, kwargs))
-
-        def call_function(self, target, args, kwargs):  # noqa: ANN001, ANN202
-            return super().call_function(target, *self.wider(args, kwargs))
-
-        def call_method(self, target, args, kwargs):  # noqa: ANN001, ANN202
-            return super().call_method(target, *self.wider(args, kwargs))
-
-        @staticmethod
-        def wider(args: tuple, kwargs: dict) -> tuple[tuple, dict]:  # a float32 dtype argument: float64
-            return (tuple(torch.float64 if a is torch.float32 else a for a in args),
-                    {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()})
 
     def judge(args: Sequence[object], reference: Sequence[object] = ()) -> list | None:
         # Its inputs and outputs in float64, all alive at the end, must fit in half of the memory free now.
@@ -292,7 +299,7 @@ def float64_judge(gm: torch.fx.GraphModule) -> Judge:
             return None
         try:
             with torch.no_grad():
-                out = Float64(gm).run(*[widen(a) for a in args])
+                out = _Float64(gm).run(*[_widen(a) for a in args])
         except Exception:  # noqa: BLE001 - a graph that cannot run in float64 leaves the candidate dropped
             return None
         return list(out) if isinstance(out, (tuple, list)) else [out]
