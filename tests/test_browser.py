@@ -8,6 +8,7 @@ in ``test-artifacts/``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -400,6 +401,20 @@ def test_timeline_shows_inline(lab, browser):
     shown = page.evaluate(_PLOT_TRACES)
     traces = {t["name"]: t for t in shown["traces"]}
     plot.screenshot(path=str(ARTIFACTS / "timeline.png"))
+    # JupyterLab's plotly renderer redraws and resizes the figure on every resize of its output. The
+    # figure keeps its height when it does, even where plotly did not see a 0 px div at the first draw
+    # (Note [plotly's JSON output is not responsive]: it collapsed to 0 px in CI), and follows the width.
+    before = page.evaluate(_PLOT_BOX)
+    page.evaluate(_RESIZE_AS_JUPYTERLAB)
+    _settle(page, _PLOT_BOX)
+    assert page.evaluate(_PLOT_BOX) == before, (before, page.evaluate(_PLOT_BOX))
+    page.set_viewport_size({"width": 1200, "height": 1000})
+    _settle(page, _PLOT_BOX)
+    narrower = page.evaluate(_PLOT_BOX)
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    _settle(page, _PLOT_BOX)
+    assert narrower["height"] == before["height"] > 300 and narrower["width"] <= before["width"] - 150, (before, narrower)
+    assert page.evaluate(_PLOT_BOX) == before
     # As a user would: drag across the forward's session run to zoom in, then hover its longest
     # kernel; its node, module and source line show.
     box = plot.bounding_box()
@@ -421,6 +436,7 @@ def test_timeline_shows_inline(lab, browser):
               " const run = p.data.find(t => t.name === 'onnxruntime session run');"
               " const r = run.y.indexOf('onnxruntime g0.forward'), range = p._fullLayout.xaxis.range;"
               " return range[1] - range[0] <= 4 * run.x[r]; }")
+    dragged = False
     for _ in range(3):  # on a busy machine a drag made while plotly still redraws may not zoom: drag again
         plot.scroll_into_view_if_needed()
         box, spots = plot.bounding_box(), page.evaluate(where)
@@ -428,29 +444,38 @@ def test_timeline_shows_inline(lab, browser):
         page.mouse.down()
         page.mouse.move(box["x"] + spots["to"]["x"] + 2, box["y"] + spots["to"]["y"], steps=8)
         page.mouse.up()
-        # Let the zoom's redraw settle (a busy machine takes seconds): the same x range twice, 0.3 s apart.
-        last = None
-        for _ in range(40):
-            page.wait_for_timeout(300)
-            now = page.evaluate(settled)
-            if now == last:
-                break
-            last = now
+        _settle(page, settled)
         if page.evaluate(zoomed):
+            dragged = True
             break
-    # Hover the kernel; on a busy machine plotly may miss one move: nudge and try again. The plot's
-    # box and the kernel's spot are read again each time: the redraw can move the page.
-    for nudge in (0, 1, -1, 2, -2, 0):
+    if not dragged:
+        # Three drags on a CI machine with both cores on other tests did not zoom (plotly took
+        # the drag during a redraw). Dragging zooms is plotly's own default (asserted); what this
+        # test is about is the hover, so the range is set as the drag would have set it.
+        assert page.evaluate(_DRAGMODE) == "zoom"
+        page.evaluate(_ZOOM_TO_FORWARD)
+        _settle(page, settled)
+    # Hover the kernel as a user would. A busy machine can miss a move, or redraw and clear the
+    # label: nudge and move again for up to 60 s. The label is read from the page, as a user reads
+    # it; plotly's hover event is kept for the message if none shows.
+    page.evaluate(_LISTEN_HOVER)
+    deadline, nudges, text = time.time() + 60, itertools.cycle((0, 1, -1, 2, -2)), None
+    while text is None and time.time() < deadline:
         plot.scroll_into_view_if_needed()
         box, spots = plot.bounding_box(), page.evaluate(where)
-        page.mouse.move(box["x"] + spots["kernel"]["x"] + nudge, box["y"] + spots["kernel"]["y"], steps=4)
-        try:
-            page.locator(".hoverlayer .hovertext").first.wait_for(state="attached", timeout=5_000)
-            break
-        except Exception:  # playwright's TimeoutError: move again
+        page.mouse.move(box["x"] + spots["kernel"]["x"] + next(nudges), box["y"] + spots["kernel"]["y"], steps=4)
+        for _ in range(10):
+            page.wait_for_timeout(200)
+            label = page.evaluate(_HOVER_LABEL)
+            if label:
+                text = label
+                break
+        else:
             page.mouse.move(box["x"] + 5, box["y"] + 5)
-    page.locator(".hoverlayer .hovertext").first.wait_for(state="attached", timeout=5_000)
-    hover = page.locator(".hoverlayer").last.text_content() or ""  # an SVG group: no innerText
+    if text is None:
+        page.screenshot(path=str(ARTIFACTS / "timeline_no_hover.png"))
+    assert text is not None, f"no hover label on the forward's longest kernel in 60 s: {json.dumps(page.evaluate(_HOVER_STATE))}"
+    hover = text
     plot.screenshot(path=str(ARTIFACTS / "timeline_zoom.png"))
     assert "onnxruntime kernels" in shown["title"] and "PyTorch" in shown["title"], shown["title"]
     kernels = traces["onnxruntime kernel"]
@@ -459,6 +484,60 @@ def test_timeline_shows_inline(lab, browser):
     assert traces["optimizer"]["n"] >= 1 and traces["PyTorch op (aten)"]["n"] > 10
     assert "PyTorch" in traces["optimizer"]["y"]
     assert "module:" in hover and "models.py:" in hover, hover
+
+
+def _settle(page: Any, probe: str) -> None:
+    """Wait until a redraw settles (a busy machine takes seconds): ``probe`` gives the same twice, 0.3 s apart."""
+    last = None
+    for _ in range(40):
+        page.wait_for_timeout(300)
+        now = page.evaluate(probe)
+        if now == last:
+            return
+        last = now
+
+
+_PLOT_BOX = ("() => { const plots = document.querySelectorAll('.js-plotly-plot'); const b ="
+             " plots[plots.length - 1].getBoundingClientRect(); return {width: b.width, height: b.height}; }")
+# What jupyterlab-plotly's renderer does on a resize (onUpdateRequest), with plotly's record of a
+# 0 px div at the first draw cleared, as it is when the div had a height then.
+_RESIZE_AS_JUPYTERLAB = (
+    "() => { const plots = document.querySelectorAll('.js-plotly-plot'); const p = plots[plots.length - 1];"
+    " p._context._hasZeroHeight = false;"
+    " return window.Plotly.redraw(p).then(() => window.Plotly.Plots.resize(p)).then(() => true); }"
+)
+_LAST_PLOT = "const plots = document.querySelectorAll('.js-plotly-plot'); const p = plots[plots.length - 1];"
+_DRAGMODE = f"() => {{ {_LAST_PLOT} return p._fullLayout.dragmode; }}"
+# The x range a drag across the forward's session run (2 % either side) gives.
+_ZOOM_TO_FORWARD = (
+    f"() => {{ {_LAST_PLOT} const run = p.data.find(t => t.name === 'onnxruntime session run');"
+    " const r = run.y.indexOf('onnxruntime g0.forward'), pad = run.x[r] * 0.02;"
+    " return window.Plotly.relayout(p, {'xaxis.range': [run.base[r] - pad, run.base[r] + run.x[r] + pad]})"
+    "   .then(() => true); }"
+)
+# plotly's hover event on the last plot, kept on the window; and the hover label a user reads.
+_LISTEN_HOVER = (
+    f"() => {{ {_LAST_PLOT} window.__ortlabHover = null;"
+    " p.on('plotly_hover', d => { window.__ortlabHover = d.points.map(q => q.hovertext).join(' '); }); }"
+)
+_HOVER_LABEL = (
+    "() => { const t = document.querySelector('.hoverlayer .hovertext');"
+    " return t ? (t.textContent || null) : null; }"
+)
+_HOVER_STATE = (
+    f"() => {{ {_LAST_PLOT} const run = p.data.find(t => t.name === 'onnxruntime session run');"
+    " const r = run.y.indexOf('onnxruntime g0.forward'), xa = p._fullLayout.xaxis;"
+    " const seen = Array.from(plots).map(e => { const b = e.getBoundingClientRect();"
+    "   return [b.x, b.y, b.width, b.height, getComputedStyle(e).visibility, !!e.offsetParent]; });"
+    " return {range: xa.range, run_px: xa.l2p(run.base[r] + run.x[r]) - xa.l2p(run.base[r]),"
+    "         event: window.__ortlabHover, plots: seen, scroll: window.scrollY,"
+    "         layout: [p.layout.height, p.layout.width, p._fullLayout.height, p._fullLayout.width, p.style.cssText],"
+    "         svg: Array.from(p.querySelectorAll('svg.main-svg')).map(e => [e.getAttribute('height'), e.getBoundingClientRect().height]),"
+    "         up: (() => { const a = []; for (let e = p; e && a.length < 8; e = e.parentElement) a.push([e.className, e.getBoundingClientRect().height, getComputedStyle(e).display]); return a; })(),"
+    "         dom: Array.from(document.querySelectorAll('.jp-RenderedPlotly')).map(n => Array.from(n.children).map("
+    "           c => [c.tagName, c.className, c.style.display, (c.src || '').length,"
+    "                 c.getBoundingClientRect().height]))}; }"
+)
 
 
 # A small GPT trained for 60 steps under a live monitor. Each step waits 60 ms for its batch (as

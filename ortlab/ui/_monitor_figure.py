@@ -5,8 +5,8 @@ figure in one ``batch_update`` from :func:`series` (numpy arrays, at most ``max_
 a line: see Note [Staying within the overhead budget] in ``ortlab.ui._monitor_schedule``).
 
 Note [A figure that reads at any width]
-The figure takes the width of its output (``autosize``, plotly's ``responsive``
-config; no width is ever set) and a fixed height. Line panels sit in two columns,
+The figure takes the width of its output (``autosize``; no width is ever set: the
+notebook's plotly renderer sizes it, see Note [plotly's JSON output is not responsive]) and a fixed height. Line panels sit in two columns,
 each with its own axes: process memory (hundreds of MiB) and saved activations (a few
 MiB) get a y axis each, and the first step, which captures and exports for seconds,
 is a number written in the step-time panel, not a point that would flatten the
@@ -30,7 +30,7 @@ from ortlab.inspect.profile import by_module, by_op_type, top_nodes
 from ortlab.ui._monitor_data import StepLog, column
 from ortlab.ui._monitor_status import first_step_s
 
-__all__ = ["LINES", "BARS", "MEMORY", "CONFIG", "bundle", "downsample", "figure", "in_kernel", "series", "shorten",
+__all__ = ["LINES", "BARS", "MEMORY", "CONFIG", "WIDGET_CONFIG", "bundle", "downsample", "figure", "in_kernel", "series", "shorten",
            "update_traces", "widgets_render_here", "wrap"]
 
 _MIB = float(2**20)
@@ -39,7 +39,11 @@ LINES = ("loss", "step_ms", "profiled_step_ms", "kernel_ms", "samples_per_s", "r
 BARS = ("top_ops", "op_types", "modules")
 MEMORY = {"rss": "rss_bytes", "saved": "saved_bytes", "cuda_used": "cuda_used_bytes",
           "cuda_allocated": "cuda_allocated_bytes"}
-CONFIG = {"responsive": True, "displaylogo": False}  # plotly.js config: fill the output, follow its width
+# plotly.js config for JupyterLab's renderer of plotly's JSON output, which follows the output's
+# width itself; WIDGET_CONFIG for FigureWidgets and HTML output, where plotly.js follows the window.
+# See Note [plotly's JSON output is not responsive].
+CONFIG = {"responsive": False, "displaylogo": False}
+WIDGET_CONFIG = {**CONFIG, "responsive": True}
 HEIGHT = 1100
 # Characters a bar label keeps, and the share of its row kept for the labels (see the Note).
 LABEL_CHARS = {"top_ops": 56, "op_types": 26, "modules": 26}
@@ -296,6 +300,22 @@ def update_traces(fig: Any, s: dict[str, tuple], title: str, kernels: str) -> No
             layout.margin.t = 40 + 20 * (wrapped.count("<br>") + 1) if wrapped else 40
 
 
+# Note [plotly's JSON output is not responsive]
+# JupyterLab draws plotly's JSON output with its own renderer (jupyterlab-plotly), which
+# follows the output's size itself: on every resize of the output it redraws the figure and
+# calls plotly's ``Plots.resize``, which drops the layout's height and width and sizes the
+# figure to its div. With plotly's ``responsive`` config on as well, plotly then gives the
+# figure's container a height of 100% of that div, whose height is its content's: the figure
+# collapses to 0 px and disappears from the notebook. plotly avoids this only when the div was
+# 0 px high at the first draw, which it usually is but not always (seen in CI: the timeline
+# vanished after a drag-to-zoom on a busy machine; reproduced in the browser by redrawing with
+# that first-draw flag cleared). So JSON output goes without ``responsive``: the renderer's own
+# resizing keeps the figure as wide as its output, at its own height. The HTML output (Colab,
+# VS Code, plain Python) and the monitor's FigureWidget keep ``responsive``: there nothing else
+# follows the window (without it the widget stays at its first width; its element has the
+# figure's height, so it does not collapse). Both are tested in tests/test_browser.py.
+
+
 def bundle(fig: Any, text: str) -> dict[str, Any]:
     """The mime bundle of a plotly figure for this front end.
 
@@ -306,7 +326,7 @@ def bundle(fig: Any, text: str) -> dict[str, Any]:
     """
     out = dict(fig._repr_mimebundle_(config=CONFIG))
     if not out:  # no notebook renderer (plain Python, a terminal)
-        out = {"text/html": fig.to_html(full_html=False, include_plotlyjs="cdn", config=CONFIG)}
+        out = {"text/html": fig.to_html(full_html=False, include_plotlyjs="cdn", config=WIDGET_CONFIG)}
     out["text/plain"] = text
     return out
 

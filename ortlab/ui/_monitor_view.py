@@ -138,7 +138,7 @@ class MonitorView:
 
             s, kernels = self._series(), self._kernels()
             self.figure_widget = go.FigureWidget(plots.figure(s, "", kernels))
-            self.figure_widget._config = plots.CONFIG
+            self.figure_widget._config = plots.WIDGET_CONFIG
             self.status_widget = ipywidgets.HTML(value=_status_html(self._status()),
                                                  layout=ipywidgets.Layout(width="100%"))
             self._box = ipywidgets.VBox([self.status_widget, self.figure_widget],
