@@ -5,9 +5,9 @@ figure in one ``batch_update`` from :func:`series` (numpy arrays, at most ``max_
 a line: see Note [Staying within the overhead budget] in ``ortlab.ui._monitor_schedule``).
 
 Note [A figure that reads at any width]
-The figure takes the width of its output (``autosize``; no width is ever set: the
-notebook's plotly renderer sizes it, see Note [plotly's JSON output is not responsive]) and a fixed height. Line panels sit in two columns,
-each with its own axes: process memory (hundreds of MiB) and saved activations (a few
+The figure takes the width of its output (``autosize``; no width is ever set: see
+Note [plotly's JSON output is not responsive]) and a fixed height. Line panels sit
+in two columns, each with its own axes: process memory (hundreds of MiB) and saved activations (a few
 MiB) get a y axis each, and the first step, which captures and exports for seconds,
 is a number written in the step-time panel, not a point that would flatten the
 others. Bar labels (kernels, op types, modules) are cut in the middle to a fixed
@@ -310,10 +310,11 @@ def update_traces(fig: Any, s: dict[str, tuple], title: str, kernels: str) -> No
 # 0 px high at the first draw, which it usually is but not always (seen in CI: the timeline
 # vanished after a drag-to-zoom on a busy machine; reproduced in the browser by redrawing with
 # that first-draw flag cleared). So JSON output goes without ``responsive``: the renderer's own
-# resizing keeps the figure as wide as its output, at its own height. The HTML output (Colab,
-# VS Code, plain Python) and the monitor's FigureWidget keep ``responsive``: there nothing else
+# resizing keeps the figure as wide as its output, at its own height. HTML output (Colab, plain
+# Python) and the monitor's FigureWidget keep ``responsive``: there nothing else
 # follows the window (without it the widget stays at its first width; its element has the
-# figure's height, so it does not collapse). Both are tested in tests/test_browser.py.
+# figure's height, so it does not collapse). JSON output and the widget are tested in a browser
+# (tests/test_browser.py), the choice of config in tests/ui/test_monitor.py.
 
 
 def bundle(fig: Any, text: str) -> dict[str, Any]:
@@ -325,8 +326,9 @@ def bundle(fig: Any, text: str) -> dict[str, Any]:
     new output instead of replacing the old one.
     """
     out = dict(fig._repr_mimebundle_(config=CONFIG))
-    if not out:  # no notebook renderer (plain Python, a terminal)
-        out = {"text/html": fig.to_html(full_html=False, include_plotlyjs="cdn", config=WIDGET_CONFIG)}
+    if "application/vnd.plotly.v1+json" not in out:  # HTML (Colab), or no notebook renderer (plain Python)
+        out = dict(fig._repr_mimebundle_(config=WIDGET_CONFIG)) or {
+            "text/html": fig.to_html(full_html=False, include_plotlyjs="cdn", config=WIDGET_CONFIG)}
     out["text/plain"] = text
     return out
 

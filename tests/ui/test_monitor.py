@@ -651,3 +651,20 @@ def test_a_monitored_module_is_freed_with_its_monitor(detach):
     del model, mon
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("renderer", ["plotly_mimetype", "colab", None])
+def test_json_output_is_not_responsive_and_html_output_is(renderer, monkeypatch):
+    """Note [plotly's JSON output is not responsive]: JupyterLab's renderer sizes JSON output itself."""
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    from ortlab.ui import _monitor_figure as plots
+
+    monkeypatch.setattr(pio.renderers, "default", renderer)
+    out = plots.bundle(go.Figure(go.Bar(x=[1, 2], y=[3, 4])), "text")
+    assert out["text/plain"] == "text"
+    if renderer == "plotly_mimetype":
+        assert out["application/vnd.plotly.v1+json"]["config"]["responsive"] is False
+    else:  # plotly.js alone follows the window
+        assert "application/vnd.plotly.v1+json" not in out and '"responsive": true' in out["text/html"]
