@@ -4,14 +4,15 @@ Note [onnxscript's optimizer without SlicesSplit]
 ``onnxscript.optimizer.optimize_ir`` runs a fixed list of rewrite rules. One of them,
 ``SlicesSplit`` (two Slices of one tensor -> one Split), has a pattern with two output
 nodes, which onnxscript's matcher finds by trying every pair of Slice nodes in the graph:
-quadratic. A ResNet-18 backward (1,200 Slices from the convolution gradients' patches, see
-Note [Convolution gradients as GEMMs]) spent 12 s of its first step there, against 0.9 s
-without the rule. Its matcher walks the graph for the second Slice even when there is
-none: on the GPT's backward (1,389 nodes, no Slice at all) the rule took 0.34 s of each of
-the optimizer's two rounds, about 0.5 s of the first step for the two graphs, and fired 0
-times. So the rule runs only where two Slices read one tensor (it can fire) and there are
-at most 64 Slices. ``optimize`` runs optimize_ir's own passes without the rules it is
-told to leave out; onnxscript offers no public way to choose the rules.
+quadratic in the Slices. A ResNet-18 backward (1,200 Slices from the convolution gradients'
+patches, see Note [Convolution gradients as GEMMs]) spent 12 s of its first step there,
+against 0.9 s without the rule. So the rule runs only where two Slices read one tensor (it
+can fire) and there are at most 64 Slices. Its matcher also walks the whole graph each time
+it is tried, and onnxscript tries it at every node: quadratic in the nodes, whatever the
+Slices (an LSTM unrolled by Dynamo, 64 Slices in a 5,893-node backward: 11.4 s of
+optimize_ir); it is tried only at Slice nodes (Note [Only the rewrite rules that can fire]).
+``optimize`` runs optimize_ir's own passes without the rules it is told to leave out;
+onnxscript offers no public way to choose the rules.
 
 Note [Only the rewrite rules that can fire]
 The rewriter tries every rule on every node, and a failed match costs 10-40 us of set-up
@@ -21,8 +22,12 @@ though 3 rules fired. Each rule's pattern ends in one op (``Reshape`` for Reshap
 op is in the graph at that point (recomputed per round, so a rule whose op a rewrite has
 just produced runs in the next); rules whose pattern does not end in one named op always
 run. The graph comes out the same (the GPT's forward and backward, node for node): 0.86 s
--> 0.4 s for the two graphs. Reading a rule's pattern uses onnxscript's private
-``_target_pattern``; a rule it cannot read always runs.
+-> 0.4 s for the two graphs. Within a round, a rule is tried only at nodes of the op its
+pattern's first output is made by (the node it is tried at is matched against that output
+first, so no other node can match; ``_AtItsOp``): the GPT's two graphs 0.45 -> 0.36 s, the
+unrolled LSTM's backward above 11.4 -> 1.2 s, the same graphs node for node (tested).
+Reading a rule's pattern uses onnxscript's private ``_target_pattern``, and the filter wraps
+its ``try_rewrite``; a rule whose pattern cannot be read always runs, at every node.
 """
 
 from __future__ import annotations
@@ -42,15 +47,36 @@ def _rules_without(names: Collection[str]) -> list:
     return [rule for rule in rewriter._DEFAULT_REWRITE_RULES if getattr(rule, "name", None) not in names]
 
 
-def _last_ops(rule: object) -> frozenset[tuple[str, str]] | None:
-    """The (domain, op type) each of the rule's pattern outputs is made by; None when not all are one named op."""
+def _op(domain: str | None, op_type: str) -> tuple[str, str]:
+    return ("" if domain in (None, "ai.onnx") else domain, op_type)
+
+
+def _last_ops(rule: object) -> tuple[tuple[str, str], ...] | None:
+    """The (domain, op type) each of the rule's pattern outputs is made by, in the pattern's order;
+    None when not all are one named op."""
     try:
         ids = [node.op_identifier() for node in rule._target_pattern.output_nodes]
     except Exception:  # noqa: BLE001 - another onnxscript: the rule always runs
         return None
     if not ids or any(i is None for i in ids):
         return None
-    return frozenset((domain or "", op) for domain, op, *_ in ids)
+    return tuple(_op(domain, op) for domain, op, *_ in ids)
+
+
+class _AtItsOp:
+    """A rewrite rule tried only at nodes of the op its pattern's first output is made by
+    (Note [Only the rewrite rules that can fire]); everything else is the rule's own."""
+
+    def __init__(self, rule: object, op: tuple[str, str]) -> None:
+        self.rule, self.op = rule, op
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.rule, name)
+
+    def try_rewrite(self, model: ir.Model, graph_or_function: object, node: ir.Node, **kwargs: object) -> object:
+        if _op(node.domain, node.op_type) != self.op:
+            return None
+        return self.rule.try_rewrite(model, graph_or_function, node, **kwargs)
 
 
 class _RulesThatCanFire(ir.passes.InPlacePass):
@@ -59,12 +85,15 @@ class _RulesThatCanFire(ir.passes.InPlacePass):
 
     def __init__(self, rules: Sequence) -> None:
         super().__init__()
-        self.rules = [(rule, _last_ops(rule)) for rule in rules]
+        self.rules = []
+        for rule in rules:
+            ops = _last_ops(rule)
+            self.rules.append((rule, None) if ops is None else (_AtItsOp(rule, ops[0]), frozenset(ops)))
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        present = {(node.domain or "", node.op_type) for node in ir.traversal.RecursiveGraphIterator(model.graph)}
+        present = {_op(node.domain, node.op_type) for node in ir.traversal.RecursiveGraphIterator(model.graph)}
         for function in model.functions.values():
-            present.update((node.domain or "", node.op_type) for node in function)
+            present.update(_op(node.domain, node.op_type) for node in function)
         rules = [rule for rule, ops in self.rules if ops is None or ops <= present]
         count = pattern.RewriteRuleSet(rules).apply_to_model(model) if rules else 0
         return ir.passes.PassResult(model, bool(count))
