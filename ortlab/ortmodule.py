@@ -30,6 +30,7 @@ from ortlab._compat.torch import (
     TorchDynamoException,
     ddp_active,
     disable_donated_buffers,
+    ignore_once_only_logging,
     dynamo_counters,
     guard_failures_of,
     pytree,
@@ -116,6 +117,7 @@ def configure_torch() -> None:
     tensors are no longer freed early during backward.
     """
     set_dynamo_config(_DYNAMO_CONFIG)
+    ignore_once_only_logging()  # Note [Once-only log calls inside captured code]
     if disable_donated_buffers():
         logger.info("ortlab turned off torch._functorch.config.donated_buffer (see ORTModule docs)")
 

@@ -104,3 +104,31 @@ def test_export_onnx_of_a_decoder_with_its_cache_on_and_dynamic_batch_and_sequen
     model.eval()
     with torch.no_grad():
         torch.testing.assert_close(torch.from_numpy(logits), model(input_ids=other).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_a_causal_lm_with_labels_is_one_graph():
+    """Note [Once-only log calls inside captured code]: transformers' ``logger.warning_once`` in
+    GPT2LMHeadModel's loss_function no longer cuts the LM head off its loss; losses and gradients
+    equal eager's."""
+    torch.manual_seed(0)
+    eager = _gpt2()
+    model = _gpt2()
+    model.load_state_dict(eager.state_dict())
+    om = ortlab.ORTModule(model)
+    ids = torch.randint(0, 300, (4, 12), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, ::2] = -100  # half of the labels ignored, as padding or a prompt would be
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            expected = eager(input_ids=ids, labels=labels).loss
+            expected.backward()
+            loss = om(input_ids=ids, labels=labels).loss
+            loss.backward()
+            torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+            for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+                p.grad = q.grad = None
+    report = str(om.report)
+    assert len(om.report.captures) == 1 and "graph breaks: none" in report, report
+    assert not [f for f in om.report.fallbacks if "logging" in f.reason], om.report.fallbacks

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "BackendCompilerFailed",
     "TorchDynamoException",
     "set_dynamo_config",
+    "ignore_once_only_logging",
     "disable_donated_buffers",
     "eager_backward_lowering",
     "aot_module_simplified",
@@ -98,6 +100,34 @@ def set_dynamo_config(settings: dict[str, Any]) -> None:
     for key, value in settings.items():
         if getattr(torch._dynamo.config, key) != value:
             setattr(torch._dynamo.config, key, value)
+
+
+# Note [Once-only log calls inside captured code]
+# Dynamo cannot trace a call to a ``logging.Logger`` method: the call breaks the graph, and
+# the frame around it runs in PyTorch. Hugging Face's models call transformers'
+# ``logger.warning_once`` in their forward: a GPT2LMHeadModel given labels logs "`loss_type=None`
+# ... Using the default loss" from its ``loss_function`` property, which cut the LM head off its
+# loss: two graphs, with the logits (batch x T x vocab, 205 MB on a GPT-2-small-sized batch)
+# handed from one to the other through PyTorch. Dynamo leaves the calls listed in
+# ``ignore_logging_functions`` out of the captured code instead; ortlab lists transformers'
+# once-only helpers there (``warning_once``,
+# ``info_once``, which transformers puts on ``logging.Logger`` when it is imported, so before any
+# of its models is built). The cost: those messages are not printed from code ortlab captures.
+# Any other log call still breaks the graph, reported as a fallback. torch without the setting
+# (before 2.6) keeps the graph break.
+_ONCE_ONLY_LOGGING = ("warning_once", "info_once")
+
+
+def ignore_once_only_logging() -> None:
+    """Add transformers' once-only log helpers to Dynamo's ``ignore_logging_functions``
+    (Note [Once-only log calls inside captured code])."""
+    ignored = getattr(torch._dynamo.config, "ignore_logging_functions", None)
+    if ignored is None:
+        return
+    for name in _ONCE_ONLY_LOGGING:
+        function = getattr(logging.Logger, name, None)
+        if function is not None:
+            ignored.add(function)
 
 
 def disable_donated_buffers() -> bool:
