@@ -32,6 +32,12 @@ def _const(name: str, values: list[int]) -> onnx.TensorProto:
     return onnx.numpy_helper.from_array(np.array(values, dtype=np.int64), name)
 
 
+def _nodes(model: ir.Model) -> list:
+    """Each node's op, inputs and attributes, in order: what two optimizers must agree on."""
+    return [(n.op_type, [v.name if v is not None else None for v in n.inputs],
+             {k: str(a.value) for k, a in n.attributes.items()}) for n in model.graph]
+
+
 def _run(exported: ExportedGraph, x: np.ndarray) -> np.ndarray:
     sess = ort.InferenceSession(ir.to_proto(exported.model).SerializeToString(), providers=["CPUExecutionProvider"])
     return sess.run(None, {"x": x})[0]
@@ -86,15 +92,11 @@ def test_running_only_the_rules_that_can_fire_leaves_the_graph_of_optimize_ir(tm
     paths = sorted(tmp_path.glob("g_*_exported_train.onnx"))
     assert len(paths) == 2, paths
 
-    def nodes(model: ir.Model) -> list:
-        return [(n.op_type, [v.name if v is not None else None for v in n.inputs],
-                 {k: str(a.value) for k, a in n.attributes.items()}) for n in model.graph]
-
     for path in paths:
         theirs, ours = ir.load(path), ir.load(path)
         onnxscript.optimizer.optimize_ir(theirs)
         optimize(ours)
-        assert nodes(ours) == nodes(theirs), path.name
+        assert _nodes(ours) == _nodes(theirs), path.name
 
 
 def _rotate_halves(layers: int) -> ir.Model:
@@ -127,10 +129,6 @@ def test_rules_are_tried_only_at_their_op_and_leave_the_graph_of_optimize_ir(mon
 
     from ortlab._compat.onnxscript import optimize
 
-    def nodes(model: ir.Model) -> list:
-        return [(n.op_type, [v.name if v is not None else None for v in n.inputs],
-                 {k: str(a.value) for k, a in n.attributes.items()}) for n in model.graph]
-
     theirs, ours = _rotate_halves(8), _rotate_halves(8)
     onnxscript.optimizer.optimize_ir(theirs)
     (split,) = [r for r in rewriter._DEFAULT_REWRITE_RULES if getattr(r, "name", None) == "SlicesSplit"]
@@ -144,7 +142,7 @@ def test_rules_are_tried_only_at_their_op_and_leave_the_graph_of_optimize_ir(mon
 
     monkeypatch.setattr(type(split), "try_rewrite", counting)
     optimize(ours)
-    assert nodes(ours) == nodes(theirs)
+    assert _nodes(ours) == _nodes(theirs)
     assert "Reshape" not in [n.op_type for n in ours.graph]  # the Reshape rules fired at each of the 8 pairs
     # Tried at the Slice nodes only (onnxscript alone tries it at all 65 nodes of each round).
     assert tried and set(tried) == {"Slice"}, tried

@@ -317,6 +317,10 @@ def update_traces(fig: Any, s: dict[str, tuple], title: str, kernels: str) -> No
 # (tests/test_browser.py), the choice of config in tests/ui/test_monitor.py.
 
 
+# plotly renderer name (``plotly.io.renderers.default``) -> whether it makes HTML, not plotly's JSON.
+_HTML_RENDERERS: dict[str, bool] = {}
+
+
 def bundle(fig: Any, text: str) -> dict[str, Any]:
     """The mime bundle of a plotly figure for this front end.
 
@@ -325,10 +329,19 @@ def bundle(fig: Any, text: str) -> dict[str, Any]:
     ``_ipython_display_``, which ignores ``display_id``: every update would add a
     new output instead of replacing the old one.
     """
-    out = dict(fig._repr_mimebundle_(config=CONFIG))
-    if "application/vnd.plotly.v1+json" not in out:  # HTML (Colab), or no notebook renderer (plain Python)
-        out = dict(fig._repr_mimebundle_(config=WIDGET_CONFIG)) or {
-            "text/html": fig.to_html(full_html=False, include_plotlyjs="cdn", config=WIDGET_CONFIG)}
+    import plotly.io as pio
+
+    # Which config plotly's renderer wants is known after its first bundle: HTML renderers (Colab)
+    # then get WIDGET_CONFIG straight away, not a JSON-config bundle made only to be thrown away on
+    # each of the monitor's redraws.
+    html = _HTML_RENDERERS.get(pio.renderers.default)
+    out = dict(fig._repr_mimebundle_(config=WIDGET_CONFIG if html else CONFIG))
+    if html is None:
+        _HTML_RENDERERS[pio.renderers.default] = html = "application/vnd.plotly.v1+json" not in out
+        if html and out:
+            out = dict(fig._repr_mimebundle_(config=WIDGET_CONFIG))
+    if not out:  # no notebook renderer (plain Python)
+        out = {"text/html": fig.to_html(full_html=False, include_plotlyjs="cdn", config=WIDGET_CONFIG)}
     out["text/plain"] = text
     return out
 

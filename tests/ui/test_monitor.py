@@ -662,9 +662,12 @@ def test_json_output_is_not_responsive_and_html_output_is(renderer, monkeypatch)
     from ortlab.ui import _monitor_figure as plots
 
     monkeypatch.setattr(pio.renderers, "default", renderer)
-    out = plots.bundle(go.Figure(go.Bar(x=[1, 2], y=[3, 4])), "text")
-    assert out["text/plain"] == "text"
-    if renderer == "plotly_mimetype":
-        assert out["application/vnd.plotly.v1+json"]["config"]["responsive"] is False
-    else:  # plotly.js alone follows the window
-        assert "application/vnd.plotly.v1+json" not in out and '"responsive": true' in out["text/html"]
+    monkeypatch.setattr(plots, "_HTML_RENDERERS", {})
+    for _ in range(2):  # the first bundle learns what the renderer makes; the second uses that
+        out = plots.bundle(go.Figure(go.Bar(x=[1, 2], y=[3, 4])), "text")
+        assert out["text/plain"] == "text"
+        if renderer == "plotly_mimetype":
+            assert out["application/vnd.plotly.v1+json"]["config"]["responsive"] is False
+        else:  # plotly.js alone follows the window
+            assert "application/vnd.plotly.v1+json" not in out and '"responsive": true' in out["text/html"]
+    assert plots._HTML_RENDERERS == {pio.renderers.default: renderer != "plotly_mimetype"}
