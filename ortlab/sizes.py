@@ -14,7 +14,7 @@ import torch.fx
 
 from ortlab.provenance import op_name
 
-__all__ = ["UNKNOWN_SIZE", "size_hint", "numel", "value_bytes", "matmul_flops"]
+__all__ = ["UNKNOWN_SIZE", "size_hint", "numel", "value_bytes", "matmul_flops", "work_flops"]
 
 # A data-dependent size (an unbacked SymInt, from nonzero() or item()) has no example
 # value. 1024 stands for it everywhere: large enough that such a tensor counts as
@@ -78,4 +78,29 @@ def matmul_flops(gm: torch.fx.GraphModule) -> int:
         else:
             k = size_hint(args[-1].shape[-2])
         flops += 2 * numel(val) * k
+    return flops
+
+
+# Ops that move or relabel data without computing (their outputs are not counted as work).
+_VIEWS = {"aten.view", "aten._unsafe_view", "aten.reshape", "aten.expand", "aten.t", "aten.transpose",
+          "aten.permute", "aten.squeeze", "aten.unsqueeze", "aten.slice", "aten.select", "aten.alias",
+          "aten.detach", "aten.as_strided"}
+
+
+def work_flops(gm: torch.fx.GraphModule) -> int:
+    """A graph's work at its example sizes: its matmuls' FLOPs (``matmul_flops``) and one FLOP for
+    each element every other computing op produces.
+
+    A graph without matmuls can still be large: the loss on the kept rows of a GPT-2-sized LM
+    head is a log-softmax over 500 x 50,257 logits, which ran on one thread when only matmuls
+    counted.
+    """
+    flops = matmul_flops(gm)
+    for node in gm.graph.nodes:
+        name = op_name(node)
+        if node.op != "call_function" or name in _MATMULS or name in _VIEWS:
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            flops += numel(val)
     return flops

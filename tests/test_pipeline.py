@@ -261,3 +261,16 @@ def test_the_registry_is_torchs():
 
     assert len(ours.functions) > 300 and entries(ours) == entries(torchs)
     assert ours.opset_version == torchs.opset_version
+
+
+def test_a_large_graph_without_matmuls_gets_every_thread():
+    """A loss over many logits has no matmul but much work (it ran on one thread when only matmuls counted)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from ortlab.sizes import matmul_flops, work_flops
+
+    gm = make_fx(lambda x: torch.log_softmax(x * 2, -1).reshape(-1))(torch.randn(400, 20000))
+    assert matmul_flops(gm) == 0 and work_flops(gm) == 2 * 400 * 20000
+    assert choose_threads(Options(), work_flops(gm)).threads is None
+    small = make_fx(lambda x: torch.log_softmax(x * 2, -1))(torch.randn(4, 20))
+    assert choose_threads(Options(), work_flops(small)).threads == 1

@@ -54,7 +54,7 @@ from ortlab.runtime.session import (
     choose_threads,
     optimized_model,
 )
-from ortlab.sizes import matmul_flops
+from ortlab.sizes import work_flops
 from ortlab.stages import ORT_LEVEL_STAGES, StageArtifact, Stages, count_ops, label
 
 __all__ = ["GraphContext", "PlacementRetry", "PartBuilder"]
@@ -151,7 +151,7 @@ class PartBuilder:
 
     def runner(self, gm: torch.fx.GraphModule, part: str) -> OrtRunner:
         ctx, record = self.ctx, self.record
-        threads = choose_threads(ctx.options, matmul_flops(gm))
+        threads = choose_threads(ctx.options, work_flops(gm))
         record.threads = threads.reason
         same = structure_key(gm) if self.providers.candidates else ""  # Note [Parts that are the same graph]
         entry = None

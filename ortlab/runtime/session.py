@@ -115,12 +115,12 @@ def choose_providers(device_type: str, options: Options, bf16: bool = False) -> 
 
 
 def choose_threads(options: Options, flops: int) -> ThreadChoice:
-    """Intra-op threads for a graph of ``flops`` matmul FLOPs, and why."""
+    """Intra-op threads for a graph of ``flops`` FLOPs (``ortlab.sizes.work_flops``), and why."""
     if options.intra_op_num_threads is not None:
         n = options.intra_op_num_threads
         return ThreadChoice(n, f"{n} (intra_op_num_threads option)")
     if flops < SMALL_GRAPH_FLOPS:
-        return ThreadChoice(1, f"1 (small graph: {flops:,} matmul FLOPs < {SMALL_GRAPH_FLOPS:,}; "
+        return ThreadChoice(1, f"1 (small graph: {flops:,} FLOPs < {SMALL_GRAPH_FLOPS:,}; "
                                "a thread pool costs more than it saves)")
     return ThreadChoice(None, "onnxruntime's default (one per core)")
 
