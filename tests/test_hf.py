@@ -132,3 +132,40 @@ def test_a_causal_lm_with_labels_is_one_graph():
     report = str(om.report)
     assert len(om.report.captures) == 1 and "graph breaks: none" in report, report
     assert not [f for f in om.report.fallbacks if "logging" in f.reason], om.report.fallbacks
+
+
+@pytest.mark.parametrize("num_items", [False, True])
+def test_a_causal_lm_skips_the_ignored_labels(monkeypatch, num_items):
+    """Label sparsity on transformers' ForCausalLMLoss (shifted labels padded with -100, logits
+    returned beside the loss; with ``num_items_in_batch``, as the Trainer passes it, a summed loss
+    divided by it): losses, logits and gradients equal eager's."""
+    from ortlab.capture import sparsity
+
+    monkeypatch.setattr(sparsity, "MIN_HEAD_WEIGHTS", 0)  # this model's head is small, for speed
+    torch.manual_seed(0)
+    eager = _gpt2()
+    model = _gpt2()
+    model.load_state_dict(eager.state_dict())
+    om = ortlab.ORTModule(model)
+    g = torch.Generator().manual_seed(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for share in (0.5, 0.25):
+            ids = torch.randint(0, 300, (4, 12), generator=g)
+            labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < share, -100)
+            kwargs = dict(input_ids=ids, labels=labels)
+            if num_items:
+                kwargs["num_items_in_batch"] = (labels[:, 1:] != -100).sum()
+            expected, out = eager(**kwargs), om(**kwargs)
+            expected.loss.backward()
+            out.loss.backward()
+            torch.testing.assert_close(out.loss, expected.loss, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
+            for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+                torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+                p.grad = q.grad = None
+    record = om.report.captures[0].sparsity
+    assert record is not None and record.applied, om.report
+    # Hugging Face pads the shifted labels with one ignored label per sequence.
+    assert record.dropped == int((labels[:, 1:] == -100).sum()) + 4
+    assert not om.report.fallbacks, om.report.fallbacks

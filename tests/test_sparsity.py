@@ -102,16 +102,80 @@ def test_upcast_view_sum_and_label_smoothing(reduction, smoothing):
     assert _sparsity(ort).applied
 
 
-def test_returned_logits_keep_every_row_and_say_why():
+@pytest.mark.parametrize("use_logits", [False, True])
+def test_returned_logits_are_every_row_and_the_loss_is_cut(use_logits):
+    """Hugging Face models return the logits beside the loss: the head runs on every row for them,
+    the loss and the head's gradient on the kept rows; a loss that also uses the returned logits
+    gets their gradient too."""
     torch.manual_seed(0)
     model = _HFStyleHead(return_logits=True)
     g = torch.Generator().manual_seed(4)
-    ids, labels = torch.randint(0, 50, (2, 7), generator=g), _labels(g, (2, 7), 50, 0.4)
     eager = copy.deepcopy(model)
     ort = ortlab.ORTModule(model)
-    (lo, logits_o), (le, logits_e) = ort(ids, labels), eager(ids, labels)
-    torch.testing.assert_close(lo, le, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(logits_o, logits_e, rtol=RTOL, atol=ATOL)
+    for p in (0.4, 0.7):
+        ids, labels = torch.randint(0, 50, (2, 7), generator=g), _labels(g, (2, 7), 50, p)
+        (lo, logits_o), (le, logits_e) = ort(ids, labels), eager(ids, labels)
+        torch.testing.assert_close(lo, le, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(logits_o, logits_e, rtol=RTOL, atol=ATOL)
+        if use_logits:
+            lo, le = lo + logits_o.square().mean(), le + logits_e.square().mean()
+        lo.backward()
+        le.backward()
+        for (name, q), r in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(q.grad, r.grad, rtol=RTOL, atol=ATOL, msg=name)
+            q.grad, r.grad = None, None
+    record = _sparsity(ort)
+    assert record.applied and "returned logits" in record.reason, record
+    assert record.steps == 2 and record.dropped == int((labels == -100).sum())
+    purposes = [c.purpose for c in ort.report.captures]
+    assert any("for the logits it returns" in p for p in purposes) and any("on the kept rows" in p for p in purposes)
+    assert not ort.report.fallbacks
+
+
+class _ScaledLoss(nn.Module):
+    """Hugging Face's loss with ``num_items_in_batch``: a summed loss divided by a tensor, then by 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Embedding(50, 16), nn.LayerNorm(16))
+        self.lm_head = nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor, items: torch.Tensor):
+        logits = self.lm_head(self.body(ids))
+        loss = F.cross_entropy(logits.view(-1, 50), labels.view(-1), reduction="sum")
+        return loss / items.to(loss.device) / 2, logits
+
+
+def test_a_scaled_loss_is_scaled_after_the_cut():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(7)
+    batches = []
+    for _ in range(2):
+        labels = _labels(g, (2, 7), 50, 0.5)
+        batches.append((torch.randint(0, 50, (2, 7), generator=g), labels, (labels != -100).sum()))
+    model = _ScaledLoss()
+    eager = copy.deepcopy(model)
+    ort = ortlab.ORTModule(model)
+    for batch in batches:
+        (lo, _), (le, _) = ort(*batch), eager(*batch)
+        torch.testing.assert_close(lo, le, rtol=RTOL, atol=ATOL)
+        lo.backward()
+        le.backward()
+        for (name, q), r in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(q.grad, r.grad, rtol=RTOL, atol=ATOL, msg=name)
+            q.grad, r.grad = None, None
+    assert _sparsity(ort).applied
+
+
+def test_logits_used_inside_the_graph_keep_every_row_and_say_why():
+    class Extra(_HFStyleHead):
+        def forward(self, ids, labels):
+            logits = self.lm_head(self.body(ids))
+            return F.cross_entropy(logits.view(-1, 50), labels.view(-1)) * logits.detach().mean()
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(8)
+    ort = _train_beside_eager(Extra(), [(torch.randint(0, 50, (2, 7), generator=g), _labels(g, (2, 7), 50, 0.4))])
     record = _sparsity(ort)
     assert not record.applied and "every row is needed" in record.reason
     assert "label sparsity: not applied" in str(ort.report)
@@ -154,3 +218,27 @@ def test_a_small_head_is_not_cut(monkeypatch):
                                                 _labels(g, (2, 7), 50, 0.4))])
     assert _sparsity(ort) is None and len(ort.report.captures) == 1
     assert "label sparsity" not in str(ort.report)
+
+
+@pytest.mark.parametrize("return_logits", [False, True])
+def test_bfloat16_autocast(return_logits):
+    """Under autocast the head computes bfloat16 logits from float32 rows and weight: the kept rows'
+    gradient is computed in bfloat16 and given back in float32, as autocast's linear does."""
+    torch.manual_seed(0)
+    model = _HFStyleHead("mean", return_logits=return_logits)
+    eager = copy.deepcopy(model)
+    ort = ortlab.ORTModule(model)
+    g = torch.Generator().manual_seed(9)
+    ids, labels = torch.randint(0, 50, (2, 7), generator=g), _labels(g, (2, 7), 50, 0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lo, le = ort(ids, labels), eager(ids, labels)
+    if return_logits:
+        (lo, logits_o), (le, logits_e) = lo, le
+        assert logits_o.dtype == logits_e.dtype == torch.bfloat16
+    torch.testing.assert_close(lo, le, rtol=1e-3, atol=1e-4)
+    lo.backward()
+    le.backward()
+    for (name, q), r in zip(model.named_parameters(), eager.parameters()):
+        assert q.grad.dtype == torch.float32
+        torch.testing.assert_close(q.grad, r.grad, rtol=1e-2, atol=1e-4, msg=name)
+    assert _sparsity(ort).applied

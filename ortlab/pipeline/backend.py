@@ -141,16 +141,28 @@ class OrtlabBackend:
         Dynamo calls what a backend returns with the graph's inputs as arguments; the head's
         parameters are among them.
         """
-        options = dataclasses.replace(self.options, label_sparsity=False, dynamic=True)
-        backend = OrtlabBackend(options, self.debug, self.report, self.observer, self.sinks,
-                                purpose=f"label sparsity: the LM head and loss of {label(len(self.report.captures))} "
-                                        "on the kept rows")
-        tail = torch.compile(cut.tail(), backend=backend, dynamic=True, fullgraph=options.fallback == "raise",
-                             **COMPILE_ISOLATION)
+        of = label(len(self.report.captures))
+
+        def compile_(module: torch.nn.Module, purpose: str, dynamic: bool | None) -> Callable:
+            options = dataclasses.replace(self.options, label_sparsity=False, dynamic=dynamic)
+            backend = OrtlabBackend(options, self.debug, self.report, self.observer, self.sinks,
+                                    purpose=f"label sparsity: {purpose}")
+            return torch.compile(module, backend=backend, dynamic=dynamic, fullgraph=options.fallback == "raise",
+                                 **COMPILE_ISOLATION)
+
+        if cut.logits_positions:
+            # The graph returned the logits: the head runs on every row for them (shaped as the
+            # graph's own inputs are), and the loss on the kept rows' logits.
+            head = compile_(cut.head(), f"the LM head of {of}, for the logits it returns", self.options.dynamic)
+            rows_loss = compile_(cut.rows_loss(), f"the loss of {of} on the kept rows", True)
+            tail = None
+        else:
+            head = rows_loss = None
+            tail = compile_(cut.tail(), f"the LM head and loss of {of} on the kept rows", True)
 
         def run(*args: object) -> tuple:
             weight, bias = cut.params(args)
-            return cut.finish(compiled(*args), weight, bias, tail)
+            return cut.finish(compiled(*args), weight, bias, tail, head, rows_loss)
 
         return run
 

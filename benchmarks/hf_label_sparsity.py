@@ -1,0 +1,72 @@
+"""Label sparsity on a Hugging Face causal LM: the ignored labels' rows skipped in the loss and the LM
+head's gradient, against ortlab without it and eager.
+
+transformers' GPT2LMHeadModel returns the logits beside the loss, so the LM head must run on every
+row in the forward; what label sparsity skips is the loss and the head's gradient on the rows whose
+label is -100 (Note [Label sparsity] in ``ortlab/capture/sparsity.py``). A GPT-2-small-sized model
+(12 layers, d=768, T=256, batch 4, vocab 50257) with half of the labels set to -100. Three
+contenders in one process, steps alternating; losses printed and equal. The bound is the share of
+the step's FLOPs in the skipped rows (the head's backward and the loss on the ignored rows).
+
+    python benchmarks/hf_label_sparsity.py [--layers 12] [--steps 6]
+"""
+import argparse
+import copy
+import statistics
+import time
+import warnings
+
+import torch  # torch first, as users' scripts do
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import ortlab
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--layers", type=int, default=12)
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--ignored", type=float, default=0.5)
+args = parser.parse_args()
+warnings.simplefilter("ignore")
+torch.manual_seed(0)
+d, vocab, T, B = 768, 50257, 256, 4
+cfg = GPT2Config(n_layer=args.layers, n_embd=d, n_head=12, vocab_size=vocab, n_positions=T, resid_pdrop=0,
+                 embd_pdrop=0, attn_pdrop=0)
+eager = GPT2LMHeadModel(cfg)
+on = ortlab.ORTModule(copy.deepcopy(eager))
+off = ortlab.ORTModule(copy.deepcopy(eager), label_sparsity=False)
+g = torch.Generator().manual_seed(1)
+ids = torch.randint(0, vocab, (B, T), generator=g)
+labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < args.ignored, -100)
+
+
+def step(model: torch.nn.Module) -> float:
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    for p in model.parameters():
+        p.grad = None
+    return float(loss)
+
+
+for name, model in (("ortlab, label sparsity on", on), ("ortlab, label sparsity off", off)):
+    start = time.perf_counter()
+    print(f"{name}: first step loss {step(model):.6f}, {time.perf_counter() - start:.1f} s")
+print(f"eager: loss {step(eager):.6f}")
+print(on.report.captures[0].sparsity)
+# FLOPs per token (multiply-adds x 2): forward + backward = 3x forward; the head's backward (2 of its
+# 3 units) and nothing else can be skipped on an ignored row, as the returned logits need its forward.
+body = args.layers * (12 * d * d * 2 * 3 + 2 * T * d * 2 * 3)
+head = d * vocab * 2 * 3
+rows = B * T
+skipped = int((labels[:, 1:] == -100).sum()) + B  # the shifted labels, one -100 pad per sequence
+bound = (body + head) / (body + head - head * 2 / 3 * skipped / rows)
+times: dict[str, list[float]] = {"eager": [], "off": [], "on": []}
+for _ in range(args.steps):
+    for key, model in (("eager", eager), ("off", off), ("on", on)):
+        start = time.perf_counter()
+        step(model)
+        times[key].append(time.perf_counter() - start)
+med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+print(f"median step: eager {med['eager']:.0f} ms, ortlab without label sparsity {med['off']:.0f} ms "
+      f"({med['eager'] / med['off']:.2f}x eager), with it {med['on']:.0f} ms ({med['eager'] / med['on']:.2f}x eager)")
+print(f"label sparsity on against off: {med['off'] / med['on']:.3f}x (bound {bound:.3f}x: {skipped} of {rows} rows "
+      f"ignored, the head's backward {head * 2 / 3 / (body + head):.0%} of a step)")
