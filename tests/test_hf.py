@@ -169,3 +169,38 @@ def test_a_causal_lm_skips_the_ignored_labels(monkeypatch, num_items):
     # Hugging Face pads the shifted labels with one ignored label per sequence.
     assert record.dropped == int((labels[:, 1:] == -100).sum()) + 4
     assert not om.report.fallbacks, om.report.fallbacks
+
+
+def test_a_masked_lm_skips_the_unmasked_tokens(monkeypatch):
+    """BertForMaskedLM: labels are -100 on the ~85% of tokens not masked, the decoder has a bias,
+    the logits are returned: losses, logits and gradients equal eager's, the rows dropped counted."""
+    from ortlab.capture import sparsity
+
+    monkeypatch.setattr(sparsity, "MIN_HEAD_WEIGHTS", 0)  # this model's head is small, for speed
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                  vocab_size=500, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                  max_position_embeddings=64)
+    eager = transformers.BertForMaskedLM(cfg)
+    model = transformers.BertForMaskedLM(cfg)
+    model.load_state_dict(eager.state_dict())
+    om = ortlab.ORTModule(model)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        ids = torch.randint(5, 500, (2, 16), generator=g)
+        labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < 0.85, -100)
+        expected, out = eager(input_ids=ids, labels=labels), om(input_ids=ids, labels=labels)
+        expected.loss.backward()
+        out.loss.backward()
+        torch.testing.assert_close(out.loss, expected.loss, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out.logits, expected.logits, rtol=1e-4, atol=1e-5)
+        for (name, p), q in zip(eager.named_parameters(), model.parameters()):
+            if p.grad is None:
+                assert q.grad is None, name
+                continue
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+            p.grad = q.grad = None
+    record = om.report.captures[0].sparsity
+    assert record.applied and record.module.endswith("decoder"), record
+    assert record.dropped == int((labels == -100).sum())
+    assert not om.report.fallbacks, om.report.fallbacks
