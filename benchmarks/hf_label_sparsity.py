@@ -1,30 +1,32 @@
-"""Label sparsity on a Hugging Face causal LM: the ignored labels' rows skipped in the loss and the LM
+"""Label sparsity on Hugging Face language models: the ignored labels' rows skipped in the loss and the LM
 head's gradient, against ortlab without it and eager.
 
 transformers' GPT2LMHeadModel returns the logits beside the loss, so the LM head must run on every
 row in the forward; what label sparsity skips is the loss and the head's gradient on the rows whose
 label is -100 (Note [Label sparsity] in ``ortlab/capture/sparsity.py``). A GPT-2-small-sized model
-(12 layers, d=768, T=256, batch 4, vocab 50257) with half of the labels set to -100. Three
-contenders in one process, steps alternating; losses printed and equal. The FLOP bound counts the
-matmul FLOPs skipped (the head's backward on the ignored rows); the loss's softmax on those rows is
-skipped too, memory-bound work that FLOPs do not show. The first contender's first step carries the
-process's warm-up (imports, Dynamo's first use: ~5 s here).
+(12 layers, d=768, T=256, batch 4, vocab 50257) with half of the labels set to -100, or a
+BERT-base-sized BertForMaskedLM (T=128, batch 8, vocab 30522) with the 85% of tokens not masked
+set to -100, as masked-LM collators do. Three contenders in one process, steps alternating;
+losses printed and equal. The FLOP bound counts the matmul FLOPs skipped (the head's backward on
+the ignored rows); the loss's softmax on those rows is skipped too, memory-bound work that FLOPs
+do not show. The first contender's first step carries the process's warm-up (imports, Dynamo's
+first use: ~5 s here).
 
-    python benchmarks/hf_label_sparsity.py [--layers 12] [--steps 6]
+    python benchmarks/hf_label_sparsity.py [--layers 12] [--steps 6] [--ignored 0.5]
+    python benchmarks/hf_label_sparsity.py --model bert-mlm   # BertForMaskedLM, 15% of tokens masked
 """
 import argparse
-import os
-import sys
 import copy
+import os
 import statistics
+import sys
 import time
 import warnings
 
 import torch  # torch first, as users' scripts do
-from transformers import GPT2Config, GPT2LMHeadModel
-
 import onnxruntime
 import transformers
+from transformers import GPT2Config, GPT2LMHeadModel
 
 import ortlab
 
@@ -34,21 +36,32 @@ from train_step import _cpu_model  # noqa: E402
 parser = argparse.ArgumentParser()
 parser.add_argument("--layers", type=int, default=12)
 parser.add_argument("--steps", type=int, default=6)
-parser.add_argument("--ignored", type=float, default=0.5)
+parser.add_argument("--ignored", type=float, default=None, help="share of labels set to -100 (default: 0.5 for "
+                    "gpt2, 0.85 for bert-mlm: the tokens not masked)")
+parser.add_argument("--model", choices=["gpt2", "bert-mlm"], default="gpt2")
 args = parser.parse_args()
 warnings.simplefilter("ignore")
 print(f"CPU: {_cpu_model()}, torch {torch.__version__} ({torch.get_num_threads()} threads), onnxruntime "
       f"{onnxruntime.__version__}, transformers {transformers.__version__}; torch imported first")
 torch.manual_seed(0)
-d, vocab, T, B = 768, 50257, 256, 4
-cfg = GPT2Config(n_layer=args.layers, n_embd=d, n_head=12, vocab_size=vocab, n_positions=T, resid_pdrop=0,
-                 embd_pdrop=0, attn_pdrop=0)
-eager = GPT2LMHeadModel(cfg)
+if args.model == "gpt2":
+    d, vocab, T, B = 768, 50257, 256, 4
+    cfg = GPT2Config(n_layer=args.layers, n_embd=d, n_head=12, vocab_size=vocab, n_positions=T, resid_pdrop=0,
+                     embd_pdrop=0, attn_pdrop=0)
+    eager = GPT2LMHeadModel(cfg)
+    ignored = 0.5 if args.ignored is None else args.ignored
+else:  # BERT-base-sized masked LM: a loss on the 15% of tokens masked
+    d, vocab, T, B = 768, 30522, 128, 8
+    cfg = transformers.BertConfig(num_hidden_layers=args.layers, hidden_size=d, vocab_size=vocab,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    eager = transformers.BertForMaskedLM(cfg)
+    ignored = 0.85 if args.ignored is None else args.ignored
+print(f"model: {type(eager).__name__}, {args.layers} layers, d={d}, vocab {vocab}, T={T}, batch {B}")
 on = ortlab.ORTModule(copy.deepcopy(eager))
 off = ortlab.ORTModule(copy.deepcopy(eager), label_sparsity=False)
 g = torch.Generator().manual_seed(1)
 ids = torch.randint(0, vocab, (B, T), generator=g)
-labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < args.ignored, -100)
+labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < ignored, -100)
 
 
 def step(model: torch.nn.Module) -> float:
@@ -69,7 +82,11 @@ print(on.report.captures[0].sparsity)
 body = args.layers * (12 * d * d * 2 * 3 + 2 * T * d * 2 * 3)
 head = d * vocab * 2 * 3
 rows = B * T
-skipped = int((labels[:, 1:] == -100).sum()) + B  # the shifted labels, one -100 pad per sequence
+if args.model == "gpt2":
+    skipped = int((labels[:, 1:] == -100).sum()) + B  # the shifted labels, one -100 pad per sequence
+else:
+    skipped = int((labels == -100).sum())
+    body += d * d * 2 * 3  # the MLM head's transform (dense, GELU, LayerNorm) before the decoder
 bound = (body + head) / (body + head - head * 2 / 3 * skipped / rows)
 times: dict[str, list[float]] = {"eager": [], "off": [], "on": []}
 for _ in range(args.steps):
@@ -82,4 +99,4 @@ print(f"median step: eager {med['eager']:.0f} ms, ortlab without label sparsity 
       f"({med['eager'] / med['off']:.2f}x eager), with it {med['on']:.0f} ms ({med['eager'] / med['on']:.2f}x eager)")
 print(f"label sparsity on against off: {med['off'] / med['on']:.3f}x (FLOP bound {bound:.3f}x: {skipped} of {rows} "
       f"rows ignored, the head's backward {head * 2 / 3 / (body + head):.0%} of a step's matmul FLOPs; the loss's "
-      "softmax over 50257 classes on the ignored rows is skipped too, memory-bound work FLOPs do not count)")
+      "softmax over the vocabulary on the ignored rows is skipped too, memory-bound work FLOPs do not count)")

@@ -38,10 +38,17 @@ def _train_beside_eager(model: nn.Module, batches: list[tuple], **options: objec
         torch.testing.assert_close(lo, le, rtol=RTOL, atol=ATOL)
         lo.backward()
         le.backward()
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=name)
-            p.grad, q.grad = None, None
+        _same_grads(model, eager)
     return ort
+
+
+def _same_grads(model: nn.Module, eager: nn.Module, **tolerance: float) -> None:
+    """The gradients of ``model`` equal ``eager``'s (float32 tolerances by default); both cleared."""
+    tolerance = tolerance or dict(rtol=RTOL, atol=ATOL)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert p.grad.dtype == q.grad.dtype, name
+        torch.testing.assert_close(p.grad, q.grad, msg=name, **tolerance)
+        p.grad, q.grad = None, None
 
 
 def _sparsity(ort: ortlab.ORTModule):
@@ -121,9 +128,7 @@ def test_returned_logits_are_every_row_and_the_loss_is_cut(use_logits):
             lo, le = lo + logits_o.square().mean(), le + logits_e.square().mean()
         lo.backward()
         le.backward()
-        for (name, q), r in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(q.grad, r.grad, rtol=RTOL, atol=ATOL, msg=name)
-            q.grad, r.grad = None, None
+        _same_grads(model, eager)
     record = _sparsity(ort)
     assert record.applied and "returned logits" in record.reason, record
     assert record.steps == 2 and record.dropped == int((labels == -100).sum())
@@ -161,9 +166,7 @@ def test_a_scaled_loss_is_scaled_after_the_cut():
         torch.testing.assert_close(lo, le, rtol=RTOL, atol=ATOL)
         lo.backward()
         le.backward()
-        for (name, q), r in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(q.grad, r.grad, rtol=RTOL, atol=ATOL, msg=name)
-            q.grad, r.grad = None, None
+        _same_grads(model, eager)
     assert _sparsity(ort).applied
 
 
@@ -238,7 +241,6 @@ def test_bfloat16_autocast(return_logits):
     torch.testing.assert_close(lo, le, rtol=1e-3, atol=1e-4)
     lo.backward()
     le.backward()
-    for (name, q), r in zip(model.named_parameters(), eager.parameters()):
-        assert q.grad.dtype == torch.float32
-        torch.testing.assert_close(q.grad, r.grad, rtol=1e-2, atol=1e-4, msg=name)
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    _same_grads(model, eager, rtol=1e-2, atol=1e-4)
     assert _sparsity(ort).applied
