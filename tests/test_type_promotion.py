@@ -83,3 +83,40 @@ def test_type_promotion_from_meta_is_torchs_on_the_gpt(monkeypatch):
     assert len(graphs) >= 2  # the parts between the dropouts (which run in PyTorch), forward and backward
     for ours, theirs in graphs:
         assert ours == theirs
+
+
+def test_one_op_signature_per_onnx_op_exports_the_same_graphs(monkeypatch):
+    """Note [One op signature per ONNX op]: the GPT's graphs translate node for node as without
+    the cache, which is put back after each translation."""
+    import contextlib
+
+    import onnx_ir as ir
+
+    import ortlab._compat.torch as compat
+    import ortlab.pipeline.part as part_module
+
+    def exported(cached: bool) -> list[list[tuple]]:
+        graphs = []
+        original = part_module.export_graph
+
+        def record(gm, name, guard_indices=False):
+            out = original(gm, name, guard_indices)
+            graphs.append([(n.op_type, [v.name if v is not None else "" for v in n.inputs],
+                            sorted((k, str(a.value)) for k, a in n.attributes.items())) for n in out.model.graph])
+            return out
+
+        with monkeypatch.context() as m:
+            m.setattr(part_module, "export_graph", record)
+            if not cached:
+                m.setattr(compat, "_op_signatures_cached", contextlib.nullcontext)
+            torch.manual_seed(0)
+            model = ortlab.ORTModule(GPT(GPTConfig(n_layers=1, vocab=64, d_model=32, n_heads=2, block_size=8)))
+            model(*make_batch("gpt", 2, vocab=64, block_size=8)).backward()
+        return graphs
+
+    before = ir.schemas.OpSignature.from_op_schema
+    compat._SIGNATURES.clear()
+    cached = exported(True)
+    assert ("", "Gemm", 13) in compat._SIGNATURES or ("", "MatMul", 13) in compat._SIGNATURES, compat._SIGNATURES
+    assert cached == exported(False) and len(cached) == 2
+    assert ir.schemas.OpSignature.from_op_schema == before

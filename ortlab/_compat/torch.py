@@ -306,9 +306,52 @@ def onnx_friendly_decompositions(onnx_ops: set[Any]) -> dict[Any, Callable]:
 
 def translate_fx_graph(graph: torch.fx.Graph, model: Any, registry: Any) -> dict[str, Any]:
     """Translate an FX graph into ``model``'s graph; returns FX node name -> ONNX value(s)."""
-    return _core._translate_fx_graph(
-        graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion", registry=registry
-    )
+    with _op_signatures_cached():
+        return _core._translate_fx_graph(
+            graph, model, graph_like=model.graph, owned_graphs={}, lower="at_conversion", registry=registry
+        )
+
+
+# Note [One op signature per ONNX op]
+# torch.onnx's OpRecorder.eval builds an ``OpSignature`` from the op's ONNX schema on every
+# op it records (``OpSignature.from_op_schema``: parameters, type constraints, default
+# attributes deserialized again), and torchlib records a Constant for each dimension it
+# merges into a shape: on a 6-layer Hugging Face GPT-2 graph pair (d=768), translation minus
+# onnxscript's optimizer took 1.6-2.2 s, 1.0-1.7 s with one signature per (domain, op, version),
+# alternating runs on a 2-core AMD EPYC (a small share of that first step's 18-26 s). onnxscript's own
+# ``Op`` keeps one signature per op the same way (``Op.op_signature``); the recorder copies a
+# default attribute before renaming it, and nothing writes to a signature. While ortlab
+# translates a graph, ``from_op_schema`` answers from that cache; it is put back after.
+_SIGNATURES: dict[tuple[str, str, int], Any] = {}
+
+
+class _op_signatures_cached:
+    def __enter__(self) -> None:
+        signature = getattr(getattr(_building_ir(), "schemas", None), "OpSignature", None)
+        self.owner = signature if signature is not None and "from_op_schema" in vars(signature) else None
+        if self.owner is None:
+            return
+        self.original = vars(self.owner)["from_op_schema"]
+        build = self.original.__func__
+
+        def from_op_schema(cls: type, schema: Any) -> Any:
+            key = (schema.domain, schema.name, schema.since_version)
+            sig = _SIGNATURES.get(key)
+            if sig is None:
+                sig = _SIGNATURES[key] = build(cls, schema)
+            return sig
+
+        self.owner.from_op_schema = classmethod(from_op_schema)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.owner is not None:
+            self.owner.from_op_schema = self.original
+
+
+def _building_ir() -> Any:
+    from torch.onnx._internal.exporter import _building
+
+    return getattr(_building, "ir", None)
 
 
 # Note [Type promotion without running every node again]
