@@ -106,5 +106,12 @@ def test_hugging_face_models_train_like_eager_with_dropout(make):
                 opt.step()
                 losses.append(loss.detach())
             torch.testing.assert_close(losses[1], losses[0], rtol=1e-4, atol=1e-5)
+            # AdamW's first step moves each weight by about lr * g / (|g| + eps): a gradient near
+            # eps that differs by float rounding (1e-9) moves its weight by up to 1e-4, and the next
+            # step's gradients then differ past the tolerance on some CPUs (seen on an AMD EPYC:
+            # c_proj.bias 1.9e-5 off). Each step is checked from equal weights.
+            with torch.no_grad():
+                for p, q in zip(om.parameters(), eager.parameters()):
+                    q.copy_(p)
     assert om.report.captures, "captured"
     assert {fb.kind for fb in om.report.fallbacks if fb.scope == "op"} <= {"random"}
