@@ -150,3 +150,47 @@ def test_rules_are_tried_only_at_their_op_and_leave_the_graph_of_optimize_ir(mon
     sessions = [ort.InferenceSession(ir.to_proto(m).SerializeToString(), providers=["CPUExecutionProvider"])
                 for m in (_rotate_halves(8), ours)]
     np.testing.assert_array_equal(*(sess.run(None, {"x": x})[0] for sess in sessions))
+
+
+def _expands() -> ir.Model:
+    """A scalar expanded to 512 x 1024 (past onnxscript's fold limit) and to 2 x 4 (within it)."""
+    inits = [onnx.numpy_helper.from_array(np.array(2.0, dtype=np.float32), "c"),
+             _const("big", [512, 1024]), _const("small", [2, 4])]
+    nodes = [oh.make_node("Expand", ["c", "big"], ["eb"]), oh.make_node("Mul", ["x", "eb"], ["y"]),
+             oh.make_node("Expand", ["c", "small"], ["es"]), oh.make_node("Add", ["x2", "es"], ["z"])]
+    graph = oh.make_graph(nodes, "g", [oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [512, 1024]),
+                                       oh.make_tensor_value_info("x2", onnx.TensorProto.FLOAT, [2, 4])],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [512, 1024]),
+                           oh.make_tensor_value_info("z", onnx.TensorProto.FLOAT, [2, 4])], initializer=inits)
+    return ir.from_proto(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)]))
+
+
+def test_values_too_large_to_keep_are_not_computed_and_the_graph_is_optimize_irs(monkeypatch):
+    """Note [Folding what would be dropped]: onnxscript computes the 512 x 1024 Expand and drops it for
+    its size; ortlab does not compute it, folds the small one, and leaves optimize_ir's graph."""
+    import onnxscript.optimizer
+    from onnxscript.optimizer import _constant_folding
+
+    from ortlab._compat.onnxscript import optimize
+
+    evaluated: list[tuple] = []
+    original = _constant_folding._reference_evaluator.evaluate
+
+    def recording(domain, op_type, version, *args, **kwargs):  # noqa: ANN001, ANN202
+        evaluated.append((op_type, tuple(args[1]) if op_type == "Expand" else None))
+        return original(domain, op_type, version, *args, **kwargs)
+
+    monkeypatch.setattr(_constant_folding._reference_evaluator, "evaluate", recording)
+    theirs, ours = _expands(), _expands()
+    onnxscript.optimizer.optimize_ir(theirs)
+    assert ("Expand", (512, 1024)) in evaluated  # onnxscript's own run computes it (and drops it)
+    evaluated.clear()
+    optimize(ours)
+    assert evaluated == [("Expand", (2, 4))], evaluated
+    assert _nodes(ours) == _nodes(theirs)
+    assert [n.op_type for n in ours.graph] == ["Expand", "Mul", "Add"]  # the small Expand folded, the large kept
+    feeds = {"x": np.ones((512, 1024), np.float32), "x2": np.ones((2, 4), np.float32)}
+    results = [ort.InferenceSession(ir.to_proto(m).SerializeToString(), providers=["CPUExecutionProvider"])
+               .run(None, feeds) for m in (_expands(), ours)]
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
