@@ -186,10 +186,21 @@ def test_a_masked_lm_skips_the_unmasked_tokens(monkeypatch):
     model = transformers.BertForMaskedLM(cfg)
     model.load_state_dict(eager.state_dict())
     om = ortlab.ORTModule(model)
+    labels = _trains_like_eager(eager, om, vocab=500, ignored=0.85)
+    record = om.report.captures[0].sparsity
+    assert record.applied and record.module.endswith("decoder"), record
+    assert record.dropped == int((labels == -100).sum())
+    assert not om.report.fallbacks, om.report.fallbacks
+
+
+def _trains_like_eager(eager: torch.nn.Module, om: ortlab.ORTModule, vocab: int, ignored: float) -> torch.Tensor:
+    """Two batches with a share ``ignored`` of labels -100: losses, logits and gradients equal eager's.
+    Returns the last labels."""
+    model = om.module
     g = torch.Generator().manual_seed(3)
     for _ in range(2):
-        ids = torch.randint(5, 500, (2, 16), generator=g)
-        labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < 0.85, -100)
+        ids = torch.randint(5, vocab, (2, 16), generator=g)
+        labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < ignored, -100)
         expected, out = eager(input_ids=ids, labels=labels), om(input_ids=ids, labels=labels)
         expected.loss.backward()
         out.loss.backward()
@@ -201,7 +212,25 @@ def test_a_masked_lm_skips_the_unmasked_tokens(monkeypatch):
                 continue
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
             p.grad = q.grad = None
+    return labels
+
+
+def test_a_causal_lm_returning_contiguous_logits_skips_the_ignored_labels(monkeypatch):
+    """OPTForCausalLM returns ``lm_head(h).contiguous()`` and computes the loss from that copy:
+    label sparsity still applies, with eager's losses, logits and gradients."""
+    from ortlab.capture import sparsity
+
+    monkeypatch.setattr(sparsity, "MIN_HEAD_WEIGHTS", 0)  # this model's head is small, for speed
+    torch.manual_seed(0)
+    cfg = transformers.OPTConfig(num_hidden_layers=1, hidden_size=64, ffn_dim=128, num_attention_heads=4,
+                                 word_embed_proj_dim=64, max_position_embeddings=64, vocab_size=500, dropout=0.0)
+    eager = transformers.OPTForCausalLM(cfg)
+    model = transformers.OPTForCausalLM(cfg)
+    model.load_state_dict(eager.state_dict())
+    om = ortlab.ORTModule(model)
+    labels = _trains_like_eager(eager, om, vocab=500, ignored=0.5)
     record = om.report.captures[0].sparsity
-    assert record.applied and record.module.endswith("decoder"), record
-    assert record.dropped == int((labels == -100).sum())
+    assert record.applied and record.module.endswith("lm_head"), record
+    # Hugging Face pads the shifted labels with one ignored label per sequence.
+    assert record.dropped == int((labels[:, 1:] == -100).sum()) + 2
     assert not om.report.fallbacks, om.report.fallbacks

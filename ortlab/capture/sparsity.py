@@ -38,7 +38,9 @@ own, the loss runs on the kept rows of those logits (detached), and ``_HeadRows`
 head's gradient for the kept rows alone (2 of the head's 3 units of work, on the kept rows).
 The returned logits keep their own gradient path through the head's graph, which autograd
 runs only when the user's loss uses them. Steps that scale the loss (a division by a number or
-by a tensor not computed from the logits) are redone after the tail.
+by a tensor not computed from the logits) are redone after the tail. Logits returned as
+``lm_head(h).contiguous()`` (OPT), with the loss computed from that copy, count as returned:
+the head's graph gives them dense already.
 
 Nothing is cut when the logits are used for anything else inside the graph: every row is
 then needed. The capture's report says which applied and why (``CaptureRecord.sparsity``),
@@ -313,14 +315,28 @@ def find_label_sparsity(gm: torch.fx.GraphModule) -> LabelSparsity | SparsityRec
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in LINEAR_TARGETS):
         return no("the loss's input is not a linear layer's output")
     head = node
+    # The logits may be returned as ``lm_head(h).contiguous()`` (OPT): the same values as the
+    # head's, which the head graph returns dense, so that node stands for the head's output.
+    copies = [n for n in reversed(chain) if n.target == "contiguous" and not n.kwargs]
+    if copies and copies[0].args[0] is head:
+        last = next(i for i, n in enumerate(copies) if i + 1 == len(copies) or copies[i + 1].args[0] is not n)
+        returned_as = copies[last]
+        if len(head.users) == 1 and out_node in returned_as.users and len(returned_as.users) == 2 and problem == (
+                "the logits are used elsewhere (every row is needed)", returned_as) \
+                and all(len(n.users) == 1 for n in copies[:last]):
+            problem = None
+        else:
+            returned_as = head
+    else:
+        returned_as = head
     h, w = head.args[0], head.args[1]
     w_val = _val(w)
     if w_val is not None and w_val.numel() < MIN_HEAD_WEIGHTS:
         return None  # a classifier: its rows cost little (a line in every report would be noise)
     # The logits may also be returned (Hugging Face models return them): the head then runs on
     # every row for them, and only its gradient and the loss are cut to the kept rows.
-    returned = out_node in head.users
-    if len(head.users) != 1 + returned and problem is None:
+    returned = out_node in returned_as.users
+    if len(head.users) != 1 + (out_node in head.users) and problem is None:
         problem = ("the logits are used elsewhere in the graph (every row is needed)", head)
     if problem is not None:
         return no(*problem)
@@ -345,8 +361,9 @@ def find_label_sparsity(gm: torch.fx.GraphModule) -> LabelSparsity | SparsityRec
             continue
         env[n] = graph.node_copy(n, lambda x: env[x])
     loss_positions = [i for i, o in enumerate(flat) if o is loss]
-    logits_positions = [i for i, o in enumerate(flat) if o is head]
-    new_outputs = [env[o] if isinstance(o, torch.fx.Node) else o for o in flat if o is not loss and o is not head]
+    logits_positions = [i for i, o in enumerate(flat) if o is returned_as]
+    new_outputs = [env[o] if isinstance(o, torch.fx.Node) else o for o in flat
+                   if o is not loss and o is not returned_as]
     new_outputs += [env[h], env[a["target"]], *(env[n] for n in scales)]
     graph.output(tuple(new_outputs))
     cut = torch.fx.GraphModule(gm, graph)
