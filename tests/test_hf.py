@@ -178,28 +178,26 @@ def test_a_masked_lm_skips_the_unmasked_tokens(monkeypatch):
     from ortlab.capture import sparsity
 
     monkeypatch.setattr(sparsity, "MIN_HEAD_WEIGHTS", 0)  # this model's head is small, for speed
-    torch.manual_seed(0)
     cfg = transformers.BertConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                                   vocab_size=500, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                                   max_position_embeddings=64)
-    eager = transformers.BertForMaskedLM(cfg)
-    model = transformers.BertForMaskedLM(cfg)
-    model.load_state_dict(eager.state_dict())
-    om = ortlab.ORTModule(model)
-    labels = _trains_like_eager(eager, om, vocab=500, ignored=0.85)
+    om, labels = _trains_like_eager(transformers.BertForMaskedLM, cfg, ignored=0.85)
     record = om.report.captures[0].sparsity
     assert record.applied and record.module.endswith("decoder"), record
     assert record.dropped == int((labels == -100).sum())
     assert not om.report.fallbacks, om.report.fallbacks
 
 
-def _trains_like_eager(eager: torch.nn.Module, om: ortlab.ORTModule, vocab: int, ignored: float) -> torch.Tensor:
-    """Two batches with a share ``ignored`` of labels -100: losses, logits and gradients equal eager's.
-    Returns the last labels."""
-    model = om.module
+def _trains_like_eager(model_class: type, cfg: object, ignored: float) -> tuple[ortlab.ORTModule, torch.Tensor]:
+    """``model_class(cfg)`` under ORTModule beside an eager copy, on two batches with a share ``ignored``
+    of labels -100: losses, logits and gradients equal eager's. Returns the ORTModule and the last labels."""
+    torch.manual_seed(0)
+    eager, model = model_class(cfg), model_class(cfg)
+    model.load_state_dict(eager.state_dict())
+    om = ortlab.ORTModule(model)
     g = torch.Generator().manual_seed(3)
     for _ in range(2):
-        ids = torch.randint(5, vocab, (2, 16), generator=g)
+        ids = torch.randint(5, cfg.vocab_size, (2, 16), generator=g)
         labels = ids.masked_fill(torch.rand(ids.shape, generator=g) < ignored, -100)
         expected, out = eager(input_ids=ids, labels=labels), om(input_ids=ids, labels=labels)
         expected.loss.backward()
@@ -212,7 +210,7 @@ def _trains_like_eager(eager: torch.nn.Module, om: ortlab.ORTModule, vocab: int,
                 continue
             torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
             p.grad = q.grad = None
-    return labels
+    return om, labels
 
 
 def test_a_causal_lm_returning_contiguous_logits_skips_the_ignored_labels(monkeypatch):
@@ -221,14 +219,9 @@ def test_a_causal_lm_returning_contiguous_logits_skips_the_ignored_labels(monkey
     from ortlab.capture import sparsity
 
     monkeypatch.setattr(sparsity, "MIN_HEAD_WEIGHTS", 0)  # this model's head is small, for speed
-    torch.manual_seed(0)
     cfg = transformers.OPTConfig(num_hidden_layers=1, hidden_size=64, ffn_dim=128, num_attention_heads=4,
                                  word_embed_proj_dim=64, max_position_embeddings=64, vocab_size=500, dropout=0.0)
-    eager = transformers.OPTForCausalLM(cfg)
-    model = transformers.OPTForCausalLM(cfg)
-    model.load_state_dict(eager.state_dict())
-    om = ortlab.ORTModule(model)
-    labels = _trains_like_eager(eager, om, vocab=500, ignored=0.5)
+    om, labels = _trains_like_eager(transformers.OPTForCausalLM, cfg, ignored=0.5)
     record = om.report.captures[0].sparsity
     assert record.applied and record.module.endswith("lm_head"), record
     # Hugging Face pads the shifted labels with one ignored label per sequence.
