@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -188,11 +189,15 @@ def test_a_masked_lm_skips_the_unmasked_tokens(monkeypatch):
     assert not om.report.fallbacks, om.report.fallbacks
 
 
-def _trains_like_eager(model_class: type, cfg: object, ignored: float) -> tuple[ortlab.ORTModule, torch.Tensor]:
+def _trains_like_eager(model_class: type, cfg: object, ignored: float,
+                       prepare: Callable[[torch.nn.Module], None] | None = None) -> tuple[ortlab.ORTModule, torch.Tensor]:
     """``model_class(cfg)`` under ORTModule beside an eager copy, on two batches with a share ``ignored``
-    of labels -100: losses, logits and gradients equal eager's. Returns the ORTModule and the last labels."""
+    of labels -100: losses, logits and gradients equal eager's. ``prepare`` changes the eager model
+    before its state is copied. Returns the ORTModule and the last labels."""
     torch.manual_seed(0)
     eager, model = model_class(cfg), model_class(cfg)
+    if prepare is not None:
+        prepare(eager)
     model.load_state_dict(eager.state_dict())
     om = ortlab.ORTModule(model)
     g = torch.Generator().manual_seed(3)
@@ -226,4 +231,25 @@ def test_a_causal_lm_returning_contiguous_logits_skips_the_ignored_labels(monkey
     assert record.applied and record.module.endswith("lm_head"), record
     # Hugging Face pads the shifted labels with one ignored label per sequence.
     assert record.dropped == int((labels[:, 1:] == -100).sum()) + 2
+    assert not om.report.fallbacks, om.report.fallbacks
+
+
+def test_a_seq2seq_lm_adding_a_bias_after_its_head_skips_the_ignored_labels(monkeypatch):
+    """BartForConditionalGeneration adds ``final_logits_bias`` to ``lm_head``'s output: label sparsity
+    folds it into the head, with eager's losses, logits and gradients (the bias made non-zero)."""
+    from ortlab.capture import sparsity
+
+    monkeypatch.setattr(sparsity, "MIN_HEAD_WEIGHTS", 0)  # this model's head is small, for speed
+    cfg = transformers.BartConfig(encoder_layers=1, decoder_layers=1, d_model=32, encoder_ffn_dim=64,
+                                  decoder_ffn_dim=64, encoder_attention_heads=2, decoder_attention_heads=2,
+                                  vocab_size=300, max_position_embeddings=64, dropout=0.0)
+
+    def random_bias(model: torch.nn.Module) -> None:
+        model.final_logits_bias.copy_(torch.randn(model.final_logits_bias.shape))
+
+    om, labels = _trains_like_eager(transformers.BartForConditionalGeneration, cfg, ignored=0.5,
+                                    prepare=random_bias)
+    record = om.report.captures[0].sparsity
+    assert record.applied and record.module.endswith("lm_head") and "folded" in record.reason, record
+    assert record.dropped == int((labels == -100).sum())
     assert not om.report.fallbacks, om.report.fallbacks

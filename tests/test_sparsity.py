@@ -244,3 +244,64 @@ def test_bfloat16_autocast(return_logits):
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
     _same_grads(model, eager, rtol=1e-2, atol=1e-4)
     assert _sparsity(ort).applied
+
+
+class _BiasAfterHead(nn.Module):
+    """BART's head: ``lm_head(h) + bias`` with one bias per class (a buffer in BART, here a buffer or a
+    learned parameter, beside the head's own bias), the logits returned or not."""
+
+    def __init__(self, learned: bool, return_logits: bool, shape: tuple[int, ...] = (1, 50)) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Embedding(50, 16), nn.LayerNorm(16))
+        self.lm_head = nn.Linear(16, 50, bias=learned)
+        extra = torch.randn(shape)
+        if learned:
+            self.final_bias = nn.Parameter(extra)
+        else:
+            self.register_buffer("final_bias", extra)
+        self.return_logits = return_logits
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor):
+        logits = self.lm_head(self.body(ids))
+        logits = logits + self.final_bias.to(logits.device)
+        loss = F.cross_entropy(logits.view(-1, 50), labels.view(-1))
+        return (loss, logits) if self.return_logits else loss
+
+
+@pytest.mark.parametrize("learned", [False, True], ids=["buffer", "parameter"])
+@pytest.mark.parametrize("return_logits", [False, True], ids=["loss", "loss-and-logits"])
+def test_a_bias_added_after_the_head_is_folded_into_it(learned, return_logits):
+    """BART adds ``final_logits_bias`` to the head's output: the cut runs the head with that bias
+    folded into its own, with eager's loss, logits and gradients (the added bias's too when learned)."""
+    torch.manual_seed(0)
+    model = _BiasAfterHead(learned, return_logits)
+    eager = copy.deepcopy(model)
+    ort = ortlab.ORTModule(model)
+    g = torch.Generator().manual_seed(10)
+    for p in (0.5, 0.7):
+        ids, labels = torch.randint(0, 50, (2, 7), generator=g), _labels(g, (2, 7), 50, p)
+        out_o, out_e = ort(ids, labels), eager(ids, labels)
+        if return_logits:
+            (out_o, logits_o), (out_e, logits_e) = out_o, out_e
+            torch.testing.assert_close(logits_o, logits_e, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(out_o, out_e, rtol=RTOL, atol=ATOL)
+        out_o.backward()
+        out_e.backward()
+        _same_grads(model, eager)
+    record = _sparsity(ort)
+    assert record.applied and "folded into the head's bias" in record.reason, record
+    assert record.dropped == int((labels == -100).sum())
+    assert not ort.report.fallbacks
+
+
+@pytest.mark.parametrize("shape,dtype,why", [((7, 1), torch.float32, "not one number per class"),
+                                             ((50,), torch.float64, "changes the logits' dtype")])
+def test_a_bias_that_differs_by_row_or_changes_the_dtype_keeps_every_row(shape, dtype, why):
+    torch.manual_seed(0)
+    model = _BiasAfterHead(False, False, shape)
+    model.final_bias = model.final_bias.to(dtype)  # float32 logits + a float64 bias: float64 logits
+    g = torch.Generator().manual_seed(11)
+    ids, labels = torch.randint(0, 50, (2, 7), generator=g), _labels(g, (2, 7), 50, 0.5)
+    ort = _train_beside_eager(model, [(ids, labels)])
+    record = _sparsity(ort)
+    assert not record.applied and why in record.reason, record

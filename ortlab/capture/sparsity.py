@@ -40,7 +40,11 @@ The returned logits keep their own gradient path through the head's graph, which
 runs only when the user's loss uses them. Steps that scale the loss (a division by a number or
 by a tensor not computed from the logits) are redone after the tail. Logits returned as
 ``lm_head(h).contiguous()`` (OPT), with the loss computed from that copy, count as returned:
-the head's graph gives them dense already.
+the head's graph gives them dense already. A bias per class added to the head's output (BART's
+``lm_head(h) + final_logits_bias``) is folded into the head's bias: the head computes
+``h @ W.T + (b + extra)`` where eager adds in two steps (the same values up to float rounding), and a
+learned ``extra`` gets its gradient through that sum. An added value that differs by row, or that
+changes the logits' dtype (float32 logits plus a float64 bias), keeps every row, with its reason.
 
 Nothing is cut when the logits are used for anything else inside the graph: every row is
 then needed. The capture's report says which applied and why (``CaptureRecord.sparsity``),
@@ -312,23 +316,34 @@ def find_label_sparsity(gm: torch.fx.GraphModule) -> LabelSparsity | SparsityRec
             problem = ("the logits are used elsewhere (every row is needed)", node)
         chain.append(node)
         node = node.args[0]
+    # A per-class bias added after the head (BART's ``lm_head(h) + final_logits_bias``) is folded
+    # into the head's bias: the logits are the head's with that bias.
+    offset = _class_offset(gm, node)
+    if isinstance(offset, str):
+        return no(offset, node)
+    if offset is not None:
+        logits_node, node = node, offset.head
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in LINEAR_TARGETS):
         return no("the loss's input is not a linear layer's output")
     head = node
+    if offset is None:
+        logits_node = head
+    elif len(head.users) != 1:
+        return no("the LM head's output is used elsewhere (every row is needed)", head)
     # The logits may be returned as ``lm_head(h).contiguous()`` (OPT): the same values as the
     # head's, which the head graph returns dense, so that node stands for the head's output.
     copies = [n for n in reversed(chain) if n.target == "contiguous" and not n.kwargs]
-    if copies and copies[0].args[0] is head:
+    if copies and copies[0].args[0] is logits_node:
         last = next(i for i, n in enumerate(copies) if i + 1 == len(copies) or copies[i + 1].args[0] is not n)
         returned_as = copies[last]
-        if len(head.users) == 1 and out_node in returned_as.users and len(returned_as.users) == 2 and problem == (
-                "the logits are used elsewhere (every row is needed)", returned_as) \
+        if len(logits_node.users) == 1 and out_node in returned_as.users and len(returned_as.users) == 2 \
+                and problem == ("the logits are used elsewhere (every row is needed)", returned_as) \
                 and all(len(n.users) == 1 for n in copies[:last]):
             problem = None
         else:
-            returned_as = head
+            returned_as = logits_node
     else:
-        returned_as = head
+        returned_as = logits_node
     h, w = head.args[0], head.args[1]
     w_val = _val(w)
     if w_val is not None and w_val.numel() < MIN_HEAD_WEIGHTS:
@@ -336,11 +351,11 @@ def find_label_sparsity(gm: torch.fx.GraphModule) -> LabelSparsity | SparsityRec
     # The logits may also be returned (Hugging Face models return them): the head then runs on
     # every row for them, and only its gradient and the loss are cut to the kept rows.
     returned = out_node in returned_as.users
-    if len(head.users) != 1 + (out_node in head.users) and problem is None:
-        problem = ("the logits are used elsewhere in the graph (every row is needed)", head)
+    if len(logits_node.users) != 1 + (out_node in logits_node.users) and problem is None:
+        problem = ("the logits are used elsewhere in the graph (every row is needed)", logits_node)
     if problem is not None:
         return no(*problem)
-    removed = {ce, head, *chain, *_post_nodes(ce, loss)}
+    removed = {ce, head, *chain, *_post_nodes(ce, loss), *(offset.nodes if offset is not None else ())}
     if any(_depends_on(n, removed) for n in scales):
         return no("the loss is scaled by a value computed from the logits", loss)
     b = head.args[2] if len(head.args) > 2 else head.kwargs.get("bias")
@@ -348,6 +363,11 @@ def find_label_sparsity(gm: torch.fx.GraphModule) -> LabelSparsity | SparsityRec
     weight, bias = _input_getter(gm, w, placeholders), _input_getter(gm, b, placeholders)
     if weight is None or bias is None or not isinstance(h, torch.fx.Node):
         return no("the head's weight is computed in the graph", head)
+    if offset is not None:
+        added = _input_getter(gm, offset.source, placeholders)
+        if added is None:
+            return no("the bias added to the logits is computed in the graph", logits_node)
+        bias = _with_offset(bias, added, offset.methods)
     h_val = _val(h)
     if h_val is None or h_val.dim() < 1 or w_val is None:
         return no("the head's input has no known shape", head)
@@ -373,10 +393,71 @@ def find_label_sparsity(gm: torch.fx.GraphModule) -> LabelSparsity | SparsityRec
     else:
         reason = (f"the LM head and the loss run only on the rows whose label is not {a['ignore_index']}, "
                   "in a graph of their own with a symbolic row count")
+    if offset is not None:
+        reason += "; the per-class bias added to the head's output is folded into the head's bias"
     record = SparsityRecord(True, reason, module=module_path(head) or where["module"],
                             source=source_line(head) or where["source"])
     return LabelSparsity(cut, record, loss_positions, len(flat), weight, bias, casts, int(a["ignore_index"]),
                          str(a["reduction"]), float(a["label_smoothing"]), logits_positions, post)
+
+
+@dataclasses.dataclass
+class _ClassOffset:
+    """``logits = head(h) + source.methods(...)``: a bias per class added after the head."""
+
+    head: torch.fx.Node
+    source: torch.fx.Node
+    methods: list[tuple[str, tuple, dict]]
+    nodes: list[torch.fx.Node]  # the add and the methods on the source, removed with the head
+
+
+def _class_offset(gm: torch.fx.GraphModule, node: object) -> _ClassOffset | str | None:
+    """``node`` as a linear layer's output plus one value per class (BART's ``final_logits_bias``,
+    moved with ``.to(device)``); a string says why such an add cannot be folded into the head's
+    bias; None when ``node`` is no such add."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and node.target in (operator.add, torch.add) and len(node.args) == 2 and not node.kwargs):
+        return None
+    lin, other = node.args
+    if not (isinstance(lin, torch.fx.Node) and lin.op == "call_function" and lin.target in LINEAR_TARGETS):
+        lin, other = other, lin
+    if not (isinstance(lin, torch.fx.Node) and lin.op == "call_function" and lin.target in LINEAR_TARGETS):
+        return None
+    if not isinstance(other, torch.fx.Node):
+        return "a number is added to the logits after the head"
+    logits, head, added = _val(node), _val(lin), _val(other)
+    if logits is None or head is None or added is None:
+        return "the value added to the logits has no known shape"
+    if added.shape[-1:] != head.shape[-1:] or any(d != 1 for d in added.shape[:-1]) or added.dim() > head.dim():
+        return "the value added to the logits is not one number per class (it would differ by row)"
+    if not (logits.dtype == head.dtype == added.dtype):
+        return f"adding the bias after the head changes the logits' dtype ({head.dtype} + {added.dtype})"
+    methods: list[tuple[str, tuple, dict]] = []
+    nodes = [node]
+    source = other
+    while source.op == "call_method" and source.target == "to" and len(source.users) == 1:
+        if any(isinstance(x, torch.fx.Node) for x in (*source.args[1:], *source.kwargs.values())):
+            return "the bias added to the logits is moved by a value computed in the graph"
+        methods.insert(0, ("to", tuple(source.args[1:]), dict(source.kwargs)))
+        nodes.append(source)
+        source = source.args[0]
+    return _ClassOffset(lin, source, methods, nodes)
+
+
+def _with_offset(bias: Callable[[Sequence[object]], torch.Tensor | None],
+                 added: Callable[[Sequence[object]], torch.Tensor | None],
+                 methods: list[tuple[str, tuple, dict]]) -> Callable[[Sequence[object]], torch.Tensor]:
+    """The head's bias with the per-class value added after the head folded in."""
+
+    def get(args: Sequence[object]) -> torch.Tensor:
+        extra = added(args)
+        for method, margs, kwargs in methods:
+            extra = getattr(extra, method)(*margs, **kwargs)
+        extra = extra.reshape(-1)
+        b = bias(args)
+        return extra if b is None else b + extra
+
+    return get
 
 
 def _post_nodes(ce: torch.fx.Node, loss: torch.fx.Node) -> list[torch.fx.Node]:
