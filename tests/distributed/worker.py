@@ -74,7 +74,13 @@ def main(kind: str, out: str) -> None:
     warnings.simplefilter("ignore")
     if kind.startswith("zero"):
         import deepspeed
+        import deepspeed.ops
 
+        # DeepSpeed compiles its shared-memory allreduce kernel (a C++ extension) on first use: ~100 s
+        # on 2 cores, again for every new virtual environment. These tests are about ORTModule inside
+        # ZeRO, not about that kernel: gloo's allreduce does the same sums. (DeepSpeed keeps the dict of
+        # compatible ops in its module so that edits to it persist: deepspeed/ops/__init__.py.)
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         dist.init_process_group("gloo")
