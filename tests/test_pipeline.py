@@ -7,6 +7,7 @@ import copy
 import pickle
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 import ortlab
 import ortlab.onnx.optimize
 from ortlab.config import Options
-from ortlab.models import TinyMLP, make_batch
+from ortlab.models import GPT, GPTConfig, TinyMLP, make_batch
 from ortlab.placement import normalize_op, selector_matches
 from ortlab.runtime.session import build_session, choose_providers, choose_threads
 from ortlab.stages import LAB_STAGES, STAGE_NAMES, StageArtifact
@@ -274,3 +275,29 @@ def test_a_large_graph_without_matmuls_gets_every_thread():
     assert choose_threads(Options(), work_flops(gm)).threads is None
     small = make_fx(lambda x: torch.log_softmax(x * 2, -1))(torch.randn(4, 20))
     assert choose_threads(Options(), work_flops(small)).threads == 1
+
+
+def test_sessions_keep_to_pytorchs_lowered_thread_budget():
+    """onnxruntime ignores OMP_NUM_THREADS and torch.set_num_threads; where PyTorch has fewer threads than
+    there are cores (torchrun gives each process one), the sessions of large graphs keep to the same number
+    (Note [PyTorch's thread budget]); with PyTorch's default they take onnxruntime's, one per core."""
+    from ortlab.runtime import session
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with mock.patch.object(session, "_cores", return_value=4):
+            choice = choose_threads(Options(), 10**12)
+            assert choice.threads == 1 and "as PyTorch's" in choice.reason and "4 cores" in choice.reason
+            assert choose_threads(Options(intra_op_num_threads=3), 10**12).threads == 3  # the option wins
+            torch.set_num_threads(4)
+            assert choose_threads(Options(), 10**12).threads is None
+            cfg = GPTConfig(n_layers=1, vocab=64, d_model=128, n_heads=2, block_size=32)
+            torch.set_num_threads(1)
+            om = ortlab.ORTModule(GPT(cfg))
+            idx, targets = make_batch("gpt", 4, vocab=64, block_size=32)
+            om(idx, targets).backward()
+            threads = [g.threads for g in om.report.captures[0].graphs]
+            assert all(t.startswith("1, as PyTorch's") for t in threads), threads
+    finally:
+        torch.set_num_threads(before)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 import onnxruntime as ort
+import torch
 
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import DeviceError, SessionError, first_line
@@ -122,7 +123,24 @@ def choose_threads(options: Options, flops: int) -> ThreadChoice:
     if flops < SMALL_GRAPH_FLOPS:
         return ThreadChoice(1, f"1 (small graph: {flops:,} FLOPs < {SMALL_GRAPH_FLOPS:,}; "
                                "a thread pool costs more than it saves)")
+    # Note [PyTorch's thread budget]
+    # onnxruntime sizes its pool by the cores and ignores OMP_NUM_THREADS and torch.set_num_threads.
+    # Where PyTorch was given fewer threads than there are cores (torchrun sets OMP_NUM_THREADS=1
+    # for each of its processes; a user leaves cores to the data loader), the sessions keep to the
+    # same budget: two DDP ranks on 2 cores each ran 2-thread sessions, 4 threads on 2 cores.
+    budget, cores = torch.get_num_threads(), _cores()
+    if budget < cores:
+        return ThreadChoice(budget, f"{budget}, as PyTorch's (torch.get_num_threads(), {cores} cores here: "
+                                    "OMP_NUM_THREADS or torch.set_num_threads lowered it)")
     return ThreadChoice(None, "onnxruntime's default (one per core)")
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 # Note [bfloat16 graphs on the CPU]
