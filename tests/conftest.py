@@ -44,6 +44,16 @@ if not os.environ.get("TORCH_TRACE"):
     for _h in list(_trace_log.handlers):
         _trace_log.removeHandler(_h)
 
+# Note [A share of the cores per test worker]
+# The README's command runs the suite in pytest-xdist workers, one per core. Like torchrun's
+# processes, each worker gets its share of the cores: PyTorch's threads, and through them the
+# sessions' (Note [PyTorch's thread budget]). Two workers with 2 threads each on 2 cores ran the
+# soak's tiny-GPT steps 4x slower than with 1 each (29-34 s against 7 s per 300 steps).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, _cores // _WORKERS))
+
 RTOL, ATOL = 1e-4, 1e-5
 BF16_RTOL, BF16_ATOL = 2e-2, 2e-2
 # Gradients through training-mode BatchNorm over a few SGD steps: eager fp32 itself is up

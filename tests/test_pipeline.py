@@ -270,9 +270,12 @@ def test_a_large_graph_without_matmuls_gets_every_thread():
 
     from ortlab.sizes import matmul_flops, work_flops
 
+    from ortlab.runtime import session
+
     gm = make_fx(lambda x: torch.log_softmax(x * 2, -1).reshape(-1))(torch.randn(400, 20000))
     assert matmul_flops(gm) == 0 and work_flops(gm) == 2 * 400 * 20000
-    assert choose_threads(Options(), work_flops(gm)).threads is None
+    with mock.patch.object(session, "_cores", return_value=torch.get_num_threads()):  # PyTorch's default
+        assert choose_threads(Options(), work_flops(gm)).threads is None
     small = make_fx(lambda x: torch.log_softmax(x * 2, -1))(torch.randn(4, 20))
     assert choose_threads(Options(), work_flops(small)).threads == 1
 
