@@ -48,11 +48,25 @@ if not os.environ.get("TORCH_TRACE"):
 # The README's command runs the suite in pytest-xdist workers, one per core. Like torchrun's
 # processes, each worker gets its share of the cores: PyTorch's threads, and through them the
 # sessions' (Note [PyTorch's thread budget]). Two workers with 2 threads each on 2 cores ran the
-# soak's tiny-GPT steps 4x slower than with 1 each (29-34 s against 7 s per 300 steps).
+# soak's tiny-GPT steps 4x slower than with 1 each (29-34 s against 7 s per 300 steps). The
+# processes a test starts (Jupyter kernels, the CLI) get the same share through OMP_NUM_THREADS.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, _cores // _WORKERS))
+    _share = max(1, _cores // _WORKERS)
+    torch.set_num_threads(_share)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+
+
+
+@pytest.fixture
+def all_cores():
+    """PyTorch's threads (and so the sessions') on every core for one test, as outside the workers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    yield
+    torch.set_num_threads(before)
+
 
 RTOL, ATOL = 1e-4, 1e-5
 BF16_RTOL, BF16_ATOL = 2e-2, 2e-2

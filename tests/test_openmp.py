@@ -64,7 +64,7 @@ def test_idle_openmp_threads_are_released_and_come_back():
     assert again == spinning
 
 
-def test_only_multi_threaded_cpu_sessions_release_openmp_threads():
+def test_only_multi_threaded_cpu_sessions_release_openmp_threads(all_cores):
     import torch
     import torch.nn.functional as F
 

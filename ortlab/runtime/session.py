@@ -16,12 +16,12 @@ import itertools
 import logging
 import os
 import re
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
 
 import onnxruntime as ort
-import torch
 
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import DeviceError, SessionError, first_line
@@ -128,8 +128,10 @@ def choose_threads(options: Options, flops: int) -> ThreadChoice:
     # Where PyTorch was given fewer threads than there are cores (torchrun sets OMP_NUM_THREADS=1
     # for each of its processes; a user leaves cores to the data loader), the sessions keep to the
     # same budget: two DDP ranks on 2 cores each ran 2-thread sessions, 4 threads on 2 cores.
-    budget, cores = torch.get_num_threads(), _cores()
-    if budget < cores:
+    # (ortlab.ondevice trains without torch: no PyTorch, no budget of its own to keep to.)
+    torch = sys.modules.get("torch")
+    budget, cores = (torch.get_num_threads() if torch is not None else None), _cores()
+    if budget is not None and budget < cores:
         return ThreadChoice(budget, f"{budget}, as PyTorch's (torch.get_num_threads(), {cores} cores here: "
                                     "OMP_NUM_THREADS or torch.set_num_threads lowered it)")
     return ThreadChoice(None, "onnxruntime's default (one per core)")
