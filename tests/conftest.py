@@ -59,6 +59,25 @@ if _WORKERS > 1:
 
 
 
+# Note [The longest test files first]
+# The workers take test files (--dist loadfile) from one queue. pytest-xdist orders that queue by
+# the number of tests in a file, so the generated-model run (one test, ~250 s) and the soak started
+# late and the other worker sat idle for the last ~2 minutes. The files that take longest (measured
+# with --durations=0 on 2 cores) go first, longest first; the rest keep their order.
+_LONGEST_FILES = ("test_browser.py", "test_generated.py", "test_soak.py", "test_notebooks.py", "test_parity.py",
+                  "test_recompute.py", "test_distributed.py", "test_cache.py", "test_hf.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's queue order: ours (below), not by count
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 @pytest.fixture
 def all_cores():
     """PyTorch's threads (and so the sessions') on every core for one test, as outside the workers."""
