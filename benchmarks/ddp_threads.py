@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import ortlab
 from ortlab.models import GPT, GPTConfig, make_batch
+
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 cores = len(os.sched_getaffinity(0))
@@ -36,7 +37,8 @@ def step(m, o):
 
 
 for m, o in models.values():
-    for _ in range(2): step(m, o)
+    for _ in range(2):
+        step(m, o)
 times = {k: [] for k in models}
 for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 8):
     for k, (m, o) in models.items():

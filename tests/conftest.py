@@ -33,6 +33,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).parent))  # `import models` from the tests
 
 import ortlab  # noqa: E402
+from ortlab.runtime.session import available_cores  # noqa: E402
 
 # pytest attaches its log-capture handlers to every non-propagating logger. On torch's
 # structured-trace logger that switches tracing on (torch builds a payload for every
@@ -52,11 +53,9 @@ if not os.environ.get("TORCH_TRACE"):
 # processes a test starts (Jupyter kernels, the CLI) get the same share through OMP_NUM_THREADS.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
-    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    _share = max(1, _cores // _WORKERS)
+    _share = max(1, available_cores() // _WORKERS)
     torch.set_num_threads(_share)
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
-
 
 
 # Note [The longest test files first]
@@ -83,7 +82,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def all_cores():
     """PyTorch's threads (and so the sessions') on every core for one test, as outside the workers."""
     before = torch.get_num_threads()
-    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    torch.set_num_threads(available_cores())
     yield
     torch.set_num_threads(before)
 

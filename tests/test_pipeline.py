@@ -274,7 +274,7 @@ def test_a_large_graph_without_matmuls_gets_every_thread():
 
     gm = make_fx(lambda x: torch.log_softmax(x * 2, -1).reshape(-1))(torch.randn(400, 20000))
     assert matmul_flops(gm) == 0 and work_flops(gm) == 2 * 400 * 20000
-    with mock.patch.object(session, "_cores", return_value=torch.get_num_threads()):  # PyTorch's default
+    with mock.patch.object(session, "available_cores", return_value=torch.get_num_threads()):  # PyTorch's default
         assert choose_threads(Options(), work_flops(gm)).threads is None
     small = make_fx(lambda x: torch.log_softmax(x * 2, -1))(torch.randn(4, 20))
     assert choose_threads(Options(), work_flops(small)).threads == 1
@@ -289,7 +289,7 @@ def test_sessions_keep_to_pytorchs_lowered_thread_budget():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        with mock.patch.object(session, "_cores", return_value=4):
+        with mock.patch.object(session, "available_cores", return_value=4):
             choice = choose_threads(Options(), 10**12)
             assert choice.threads == 1 and "as PyTorch's" in choice.reason and "4 cores" in choice.reason
             assert choose_threads(Options(intra_op_num_threads=3), 10**12).threads == 3  # the option wins

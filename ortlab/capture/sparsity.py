@@ -323,7 +323,7 @@ def find_label_sparsity(gm: torch.fx.GraphModule) -> LabelSparsity | SparsityRec
         return no(offset, node)
     if offset is not None:
         logits_node, node = node, offset.head
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in LINEAR_TARGETS):
+    if not _is_linear(node):
         return no("the loss's input is not a linear layer's output")
     head = node
     if offset is None:
@@ -411,6 +411,10 @@ class _ClassOffset:
     nodes: list[torch.fx.Node]  # the add and the methods on the source, removed with the head
 
 
+def _is_linear(node: object) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in LINEAR_TARGETS
+
+
 def _class_offset(gm: torch.fx.GraphModule, node: object) -> _ClassOffset | str | None:
     """``node`` as a linear layer's output plus one value per class (BART's ``final_logits_bias``,
     moved with ``.to(device)``); a string says why such an add cannot be folded into the head's
@@ -418,10 +422,8 @@ def _class_offset(gm: torch.fx.GraphModule, node: object) -> _ClassOffset | str 
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
             and node.target in (operator.add, torch.add) and len(node.args) == 2 and not node.kwargs):
         return None
-    lin, other = node.args
-    if not (isinstance(lin, torch.fx.Node) and lin.op == "call_function" and lin.target in LINEAR_TARGETS):
-        lin, other = other, lin
-    if not (isinstance(lin, torch.fx.Node) and lin.op == "call_function" and lin.target in LINEAR_TARGETS):
+    lin, other = node.args if _is_linear(node.args[0]) else reversed(node.args)
+    if not _is_linear(lin):
         return None
     if not isinstance(other, torch.fx.Node):
         return "a number is added to the logits after the head"

@@ -34,6 +34,7 @@ __all__ = [
     "SessionSource",
     "BuiltSession",
     "choose_providers",
+    "available_cores",
     "choose_threads",
     "build_session",
     "optimized_model",
@@ -130,15 +131,15 @@ def choose_threads(options: Options, flops: int) -> ThreadChoice:
     # same budget: two DDP ranks on 2 cores each ran 2-thread sessions, 4 threads on 2 cores.
     # (ortlab.ondevice trains without torch: no PyTorch, no budget of its own to keep to.)
     torch = sys.modules.get("torch")
-    budget, cores = (torch.get_num_threads() if torch is not None else None), _cores()
+    budget, cores = (torch.get_num_threads() if torch is not None else None), available_cores()
     if budget is not None and budget < cores:
         return ThreadChoice(budget, f"{budget}, as PyTorch's (torch.get_num_threads(), {cores} cores here: "
                                     "OMP_NUM_THREADS or torch.set_num_threads lowered it)")
     return ThreadChoice(None, "onnxruntime's default (one per core)")
 
 
-def _cores() -> int:
-    """The cores this process may run on."""
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS tells it)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
