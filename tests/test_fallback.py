@@ -61,6 +61,38 @@ def test_user_named_fallback_ops_run_in_pytorch_with_reason():
     assert "aten.gelu: named in fallback_ops" in str(om.report)
 
 
+class Branches(nn.Module):
+    """Two branches with a GELU each (named in ``fallback_ops``), and a branch with none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.a2, self.b2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.a2(F.gelu(self.a(x)))
+        b = self.b2(F.gelu(self.b(x)))
+        return (a * b + self.c(x)).sum()
+
+
+def test_ops_in_pytorch_cut_the_graph_into_as_many_parts_as_its_deepest_chain_of_them():
+    """Note [Parts by depth] in ortlab.runtime.split: the forward has two GELUs in PyTorch side by
+    side, so two parts (before them, after them), whatever the branches; the result is eager's."""
+    torch.manual_seed(0)
+    eager = Branches()
+    om = ortlab.ORTModule(copy.deepcopy(eager), fallback_ops=["aten.gelu"])
+    x = torch.randn(4, 8)
+    with pytest.warns(ortlab.FallbackWarning, match="fallback_ops"):
+        out = om(x)
+    out.backward()
+    ref = eager(x)
+    ref.backward()
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    grads_match(eager, om)
+    forward = om.report.captures[0].graphs[0]
+    assert forward.name == "forward" and forward.torch_nodes == 2 and forward.ort_partitions == 2
+
+
 def test_op_without_translation_falls_back_per_op():
     eager = Median()
     om = ortlab.ORTModule(copy.deepcopy(eager))

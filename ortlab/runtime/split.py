@@ -159,6 +159,42 @@ def _between_random_ops(gm: torch.fx.GraphModule, partitions: list, random: Coll
     return out
 
 
+# Note [Parts by depth]
+# torch's CapabilityBasedPartitioner grows partitions by merging them pairwise, checking
+# for a cycle at every merge: on a MobileNetV2's backward (~2,600 nodes, 17 depthwise
+# convolution gradients in PyTorch) ``propose_partitions`` took 2-3.3 s of a 30 s first step
+# (``benchmarks/split_graph.py``). The graphs split here are mostly onnxruntime's with a few
+# ops in PyTorch, and for them one pass over the graph finds as few parts: a node's depth
+# is the largest number of times a path from it to the graph's outputs goes from
+# onnxruntime into PyTorch (a run of PyTorch ops counts once), and the onnxruntime nodes of
+# one depth form one part, deepest first. No part can feed itself through PyTorch: a path
+# that leaves a part through a PyTorch node arrives at a smaller depth, and depths never
+# grow along a path, so the fused graph has no cycle. Counting towards the outputs puts a
+# node that only reads the graph's inputs (a weight's transpose) in the part of its users,
+# as torch's partitioner did (Note [Random ops keep eager's order] then keeps it whole). A
+# part may hold unconnected pieces (independent branches between the same PyTorch ops):
+# they run in one session. The items of an op's tuple output join the op's part (a
+# tuple cannot cross into onnxruntime; moving them to an earlier part keeps the order
+# sound, as their users stay where they were). torch's ``fuse_partitions`` still builds
+# the parts.
+def _partitions_by_depth(gm: torch.fx.GraphModule, support: OperatorSupportBase) -> list[Partition]:
+    nodes = list(gm.graph.nodes)
+    in_torch = {n for n in nodes if n.op == "call_function" and not support.is_node_supported({}, n)}
+    depth: dict[torch.fx.Node, int] = {}
+    for node in reversed(nodes):
+        leaves = node.op == "call_function" and node not in in_torch  # onnxruntime -> PyTorch counts
+        depth[node] = max((depth[u] + (leaves and u in in_torch) for u in node.users), default=0)
+    by_depth: dict[int, list[torch.fx.Node]] = {}
+    for node in nodes:
+        if node.op != "call_function" or node in in_torch:
+            continue
+        src = node.args[0] if node.target is operator.getitem else None
+        if isinstance(src, torch.fx.Node) and src.op == "call_function" and src not in in_torch:
+            depth[node] = depth[src]  # a tuple never crosses between parts: its items stay with it
+        by_depth.setdefault(depth[node], []).append(node)
+    return [Partition(id=i, nodes=group) for i, (_, group) in enumerate(sorted(by_depth.items(), reverse=True))]
+
+
 def split_graph(gm: torch.fx.GraphModule, in_pytorch: Collection[str], make_part: PartMaker,
                 random: Collection[str] = ()) -> Callable:
     """A boxed callable running ``gm``: the nodes in ``in_pytorch`` in PyTorch, the rest in parts.
@@ -174,8 +210,9 @@ def split_graph(gm: torch.fx.GraphModule, in_pytorch: Collection[str], make_part
     if not in_pytorch:
         return _boxed_runner(make_part(gm, ""))
     layouts = _eager_layouts(gm, random)
-    partitioner = CapabilityBasedPartitioner(gm, _Support(in_pytorch), allows_single_node_partition=True)
-    partitions = partitioner.propose_partitions()
+    support = _Support(in_pytorch)
+    partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
+    partitions = _partitions_by_depth(gm, support)
     # Partitions of only getitems/size arithmetic are not worth a session.
     partitions = [p for p in partitions if any(_worth_running(n) for n in p.nodes)]
     if random:
