@@ -26,6 +26,17 @@ def grads_match(a: nn.Module, b: nn.Module) -> None:
         torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
+def trains_like_eager(eager: nn.Module, om: ortlab.ORTModule, x: torch.Tensor, warning: str) -> None:
+    """One step of ``om`` (warning ``warning`` as it falls back) and of ``eager``: same output, same grads."""
+    with pytest.warns(ortlab.FallbackWarning, match=warning):
+        out = om(x)
+    out.backward()
+    ref = eager(x)
+    ref.backward()
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    grads_match(eager, om)
+
+
 class Median(nn.Module):
     """kthvalue has no ONNX translation in torchlib."""
 
@@ -81,14 +92,7 @@ def test_ops_in_pytorch_cut_the_graph_into_as_many_parts_as_its_deepest_chain_of
     torch.manual_seed(0)
     eager = Branches()
     om = ortlab.ORTModule(copy.deepcopy(eager), fallback_ops=["aten.gelu"])
-    x = torch.randn(4, 8)
-    with pytest.warns(ortlab.FallbackWarning, match="fallback_ops"):
-        out = om(x)
-    out.backward()
-    ref = eager(x)
-    ref.backward()
-    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
-    grads_match(eager, om)
+    trains_like_eager(eager, om, torch.randn(4, 8), warning="fallback_ops")
     forward = om.report.captures[0].graphs[0]
     assert forward.name == "forward" and forward.torch_nodes == 2 and forward.ort_partitions == 2
 
@@ -96,14 +100,7 @@ def test_ops_in_pytorch_cut_the_graph_into_as_many_parts_as_its_deepest_chain_of
 def test_op_without_translation_falls_back_per_op():
     eager = Median()
     om = ortlab.ORTModule(copy.deepcopy(eager))
-    x = torch.randn(5, 8)
-    with pytest.warns(ortlab.FallbackWarning, match="no ONNX translation"):
-        out = om(x)
-    out.backward()
-    ref = eager(x)
-    ref.backward()
-    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
-    grads_match(eager, om)
+    trains_like_eager(eager, om, torch.randn(5, 8), warning="no ONNX translation")
     kth = [f for f in om.report.fallbacks if f.op == "aten.kthvalue"]
     assert kth and kth[0].node.startswith("kthvalue")
     # The rest of the forward still runs in onnxruntime.
@@ -148,14 +145,7 @@ def test_graph_break_runs_between_graphs_with_reason():
     torch.manual_seed(0)
     eager = Breaks()
     om = ortlab.ORTModule(copy.deepcopy(eager))
-    x = torch.randn(3, 4)
-    with pytest.warns(ortlab.FallbackWarning, match="graph break"):
-        out = om(x)
-    out.backward()
-    ref = eager(x)
-    ref.backward()
-    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
-    grads_match(eager, om)
+    trains_like_eager(eager, om, torch.randn(3, 4), warning="graph break")
     assert len(om.report.captures) == 2
     assert om.report.graph_breaks
     assert "graph breaks (the code between runs in PyTorch)" in str(om.report)
