@@ -24,7 +24,7 @@ from ortlab.artifacts import FolderSink
 from ortlab.capture.aot import graph_device, rewrite_sdpa, trace
 from ortlab.capture.sparsity import LabelSparsity, find_label_sparsity
 from ortlab.config import DebugOptions, Options
-from ortlab.errors import CaptureError, DeviceError, FallbackError, first_line
+from ortlab.errors import CaptureError, DeviceError, FallbackError, SessionError, first_line
 from ortlab.partition.recompute import partition_joint
 from ortlab.pipeline.graph import compile_graph
 from ortlab.pipeline.part import GraphContext
@@ -103,6 +103,29 @@ class _Compiled:
     observer: GraphObserver | None  # the observer its calls report to (a graph compiled before set_observer has none)
 
 
+# Note [What Dynamo keeps of a compiled graph]
+# Dynamo stores each compiled graph in the globals of the module that defines the traced
+# code (``__compiled_fn_7`` in the user's model module) and never removes it. AOTAutograd's
+# compiled function holds the captured graph, the forward and backward graphs and its
+# decomposition table, so every discarded ORTModule left them behind: a TinyMLP re-created
+# 150 times in one process grew it by ~0.6 MiB a module (tracemalloc; the path to them
+# ran from ``ortlab.models.__compiled_fn_N``). Dynamo is handed a small holder instead,
+# and releasing the backend (Note [Releasing a module's sessions]) empties it.
+class _Handed:
+    """The compiled graph Dynamo calls, until the backend is released."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable) -> None:
+        self.fn: Callable | None = fn
+
+    def __call__(self, *args: object) -> object:
+        fn = self.fn
+        if fn is None:
+            raise SessionError("this graph was released: its ORTModule was reconfigured (or deleted)")
+        return fn(*args)
+
+
 class OrtlabBackend:
     """A torch.compile backend that runs captured graphs in onnxruntime.
 
@@ -121,9 +144,13 @@ class OrtlabBackend:
         self.observer = observer
         self.sinks = list(sinks)
         self._compiled: dict[str, list[_Compiled]] = {}  # Note [The same graph captured again]
+        self._handed: list[_Handed] = []  # what Dynamo was given (Note [What Dynamo keeps of a compiled graph])
 
     def release(self) -> None:
         """Free the sessions, models and graphs of every capture (see Note [Releasing a module's sessions])."""
+        for handed in self._handed:
+            handed.fn = None
+        self._handed = []
         for capture in self.report.captures:
             for graph in capture.graphs:
                 for part in graph.parts:
@@ -147,6 +174,7 @@ class OrtlabBackend:
             options = dataclasses.replace(self.options, label_sparsity=False, dynamic=dynamic)
             backend = OrtlabBackend(options, self.debug, self.report, self.observer, self.sinks,
                                     purpose=f"label sparsity: {purpose}")
+            backend._handed = self._handed  # released with this backend
             return torch.compile(module, backend=backend, dynamic=dynamic, fullgraph=options.fallback == "raise",
                                  **COMPILE_ISOLATION)
 
@@ -258,6 +286,9 @@ class OrtlabBackend:
             compiled = gm.forward
         capture.capture_s = time.perf_counter() - start - sum(g.export_s + g.session_s for g in capture.graphs)
         self.report.captures.append(capture)
+        if compiled is not gm.forward:
+            compiled = _Handed(compiled)
+            self._handed.append(compiled)
         if identity is not None and compiled is not gm.forward:
             self._compiled.setdefault(identity, []).append(_Compiled(index, state, constants, compiled, self.observer))
         return compiled
