@@ -212,6 +212,13 @@ class Options:
             that count (not ``ignore_index``), when the logits are used by the loss alone
             (see Note [Label sparsity] in ``ortlab.capture.sparsity``). The report says
             whether it applied, why, and how many rows it dropped.
+        embedding_sparsity: run the row-wise layers (linear layers, norms, activations) only
+            on the tokens that are not an embedding's ``padding_idx`` (see Note [Embedding
+            sparsity] in ``ortlab.capture.padding``). Off by default: it assumes the padded
+            tokens do not change the others' results (the attention mask masks them out) and
+            returns zeros in the padded rows of token-shaped outputs. The first batch with
+            padding checks the assumption (the rewritten graph against the original, in
+            PyTorch, dropout off) and drops the rewrite, with the reason, when it does not hold.
         cache_dir: a folder for the on-disk cache of the models onnxruntime runs; a
             later process with the same graph, options and library versions skips
             export and optimization.
@@ -227,6 +234,7 @@ class Options:
     cache_dir: str | None = None
     profile: bool = False
     label_sparsity: bool = True
+    embedding_sparsity: bool = False
     from_env: tuple[str, ...] = dataclasses.field(default=(), repr=False)
 
     def __post_init__(self) -> None:

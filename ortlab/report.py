@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ortlab.errors import FallbackWarning
 from ortlab.provenance import restore_provenance
@@ -134,13 +134,13 @@ class GraphRecord:
 
 
 @dataclasses.dataclass
-class SparsityRecord:
-    """What label sparsity did in one captured graph (one line of the report).
+class _RowsRecord:
+    """What a compute optimization that drops rows did in one captured graph (one line of the report).
 
     Attributes:
-        applied: whether the LM head runs on the kept rows only.
+        applied: whether it runs on the kept rows only.
         reason: why it applies or not, in words.
-        module: the head's module path (``head``), ``source`` its line of model code.
+        module: the module path of the op it keys on, ``source`` its line of model code.
         steps: steps run with it; ``rows``/``dropped``: rows in the last step and how many were dropped;
         ``total_rows``/``total_dropped``: over all steps.
     """
@@ -154,15 +154,49 @@ class SparsityRecord:
     dropped: int = 0
     total_rows: int = 0
     total_dropped: int = 0
+    name: ClassVar[str] = ""
+
+    def count(self, rows: int, kept: int) -> None:
+        """One step over ``rows`` rows of which ``kept`` were kept."""
+        self.steps += 1
+        self.rows, self.dropped = rows, rows - kept
+        self.total_rows += rows
+        self.total_dropped += self.dropped
+
+    def details(self) -> str:
+        return ""
 
     def __str__(self) -> str:
         where = ", ".join(w for w in (self.module, self.source) if w)
         where = f" ({where})" if where else ""
         if not self.applied:
-            return f"label sparsity: not applied{where}: {self.reason}"
+            return f"{self.name}: not applied{where}: {self.reason}"
         counts = (f"last step dropped {self.dropped} of {self.rows} rows; {self.total_dropped} of "
                   f"{self.total_rows} over {self.steps} step(s)") if self.steps else "no step run yet"
-        return f"label sparsity: on{where}: {self.reason}; {counts}"
+        return f"{self.name}: on{where}: {self.reason}; {self.details()}{counts}"
+
+
+@dataclasses.dataclass
+class SparsityRecord(_RowsRecord):
+    """What label sparsity did (``module``: the LM head's path, ``head``); see ``_RowsRecord``."""
+
+    name: ClassVar[str] = "label sparsity"
+
+
+@dataclasses.dataclass
+class PaddingRecord(_RowsRecord):
+    """What embedding sparsity did (``module``: the embedding's path); see ``_RowsRecord``.
+
+    ``packed_ops``: row-wise ops that run on the kept rows; ``unpacks``: places where rows go
+    back to the padded layout (attention, the outputs).
+    """
+
+    packed_ops: int = 0
+    unpacks: int = 0
+    name: ClassVar[str] = "embedding sparsity"
+
+    def details(self) -> str:
+        return f"{self.packed_ops} ops on the kept rows, {self.unpacks} back to the padded layout; "
 
 
 @dataclasses.dataclass
@@ -178,6 +212,7 @@ class CaptureRecord:
     fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
     files: list[str] = dataclasses.field(default_factory=list)
     sparsity: SparsityRecord | None = None
+    padding: PaddingRecord | None = None  # embedding sparsity (Note [Embedding sparsity])
     purpose: str = ""  # why ortlab made this graph itself, e.g. a label-sparsity tail
     recapture: str = ""  # why Dynamo captured this code again: the guard of an earlier capture that failed
     same_as: int | None = None  # the earlier capture whose compiled graphs this one runs (the same graph)
@@ -257,6 +292,8 @@ class Report:
                              f"{stage_label(c.same_as)}'s compiled graphs and sessions (nothing compiled again)")
             if c.sparsity is not None:
                 lines.append(f"  {c.sparsity}")
+            if c.padding is not None:
+                lines.append(f"  {c.padding}")
             for g in c.graphs:
                 top = ", ".join(f"{k} {v}" for k, v in list(g.onnx_ops.items())[:6])
                 lines.append(

@@ -143,11 +143,7 @@ class LabelSparsity:
             loss = tail(rows, labels.index_select(0, keep), weight, bias)
         for op, other in self.post:
             loss = op(loss, scales.pop(0) if other is None else other)
-        r = self.record
-        r.steps += 1
-        r.rows, r.dropped = labels.numel(), labels.numel() - keep.numel()
-        r.total_rows += r.rows
-        r.total_dropped += r.dropped
+        self.record.count(labels.numel(), keep.numel())
         out, it = [], iter(rest)
         for i in range(self.num_outputs):
             out.append(loss if i in self.loss_positions else logits if i in self.logits_positions else next(it))

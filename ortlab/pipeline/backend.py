@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 import operator
 import time
 from collections.abc import Callable, Sequence
@@ -22,6 +23,7 @@ import torch.fx
 from ortlab._compat.torch import COMPILE_ISOLATION, DYNAMO_CONTROL_FLOW, global_state
 from ortlab.artifacts import FolderSink
 from ortlab.capture.aot import graph_device, rewrite_sdpa, trace
+from ortlab.capture.padding import EmbeddingSparsity, check_embedding_sparsity, find_embedding_sparsity, traced
 from ortlab.capture.sparsity import LabelSparsity, find_label_sparsity
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import CaptureError, DeviceError, FallbackError, SessionError, first_line
@@ -160,6 +162,52 @@ class OrtlabBackend:
         self.sinks = []
         self._compiled = {}
 
+    def _nested(self, module: torch.nn.Module, purpose: str, dynamic: bool | None, **changes: object) -> Callable:
+        """``module`` compiled by a backend like this one (its report, observer and sinks), for a graph
+        ortlab makes itself (a label-sparsity tail, a graph on packed rows)."""
+        options = dataclasses.replace(self.options, dynamic=dynamic, **changes)
+        backend = OrtlabBackend(options, self.debug, self.report, self.observer, self.sinks, purpose=purpose)
+        backend._handed = self._handed  # released with this backend
+        return torch.compile(module, backend=backend, dynamic=dynamic, fullgraph=options.fallback == "raise",
+                             **COMPILE_ISOLATION)
+
+    def _with_packed_rows(self, gm: torch.fx.GraphModule, found: EmbeddingSparsity) -> Callable:
+        """``found.graph`` (``gm`` on the tokens that are not padding), checked on the first padded batch.
+
+        Both graphs are compiled by a backend like this one, lazily: the rewritten one with a
+        symbolic row count, the original only when the check fails (see Note [Embedding
+        sparsity] in ``ortlab.capture.padding``).
+        """
+        of = label(len(self.report.captures))
+        record = found.record
+        state: dict[str, Callable | None] = {"packed": None, "dense": None}
+        checked = False
+
+        def run(*args: object) -> object:
+            nonlocal checked
+            keep = found.keep(args)
+            rows = args[found.ids_position].numel()  # type: ignore[union-attr]
+            if not checked and keep.numel() < rows:
+                checked = True
+                problem = check_embedding_sparsity(gm, found, args, keep)
+                if problem is not None:
+                    record.applied, record.reason = False, f"the first padded batch failed the check: {problem}"
+                    warnings.warn(f"ortlab: embedding sparsity is off for graph {of}: {problem}", stacklevel=2)
+                    state["packed"] = None
+            if record.applied:
+                if state["packed"] is None:
+                    state["packed"] = self._nested(traced(found.graph), f"embedding sparsity: {of} on the kept rows",
+                                                   self.options.dynamic, embedding_sparsity=False)
+                torch._dynamo.maybe_mark_dynamic(keep, 0)
+                record.count(rows, keep.numel())
+                return state["packed"](*args, keep)
+            if state["dense"] is None:
+                state["dense"] = self._nested(traced(gm), f"embedding sparsity dropped: {of} on every row",
+                                              self.options.dynamic, embedding_sparsity=False)
+            return state["dense"](*args)
+
+        return run
+
     def _with_tail(self, compiled: Callable, cut: LabelSparsity) -> Callable:
         """``compiled`` (the graph cut before its LM head), then the head and loss on the kept rows.
 
@@ -171,12 +219,7 @@ class OrtlabBackend:
         of = label(len(self.report.captures))
 
         def compile_(module: torch.nn.Module, purpose: str, dynamic: bool | None) -> Callable:
-            options = dataclasses.replace(self.options, label_sparsity=False, dynamic=dynamic)
-            backend = OrtlabBackend(options, self.debug, self.report, self.observer, self.sinks,
-                                    purpose=f"label sparsity: {purpose}")
-            backend._handed = self._handed  # released with this backend
-            return torch.compile(module, backend=backend, dynamic=dynamic, fullgraph=options.fallback == "raise",
-                                 **COMPILE_ISOLATION)
+            return self._nested(module, f"label sparsity: {purpose}", dynamic, label_sparsity=False)
 
         if cut.logits_positions:
             # The graph returned the logits: the head runs on every row for them (shaped as the
@@ -230,6 +273,19 @@ class OrtlabBackend:
             warn_fallback(fb)
             self.report.captures.append(capture)
             return gm.forward
+        padding = find_embedding_sparsity(gm) if self.options.embedding_sparsity else None
+        if padding is not None:
+            capture.padding = padding.record if isinstance(padding, EmbeddingSparsity) else padding
+        if isinstance(padding, EmbeddingSparsity):
+            # This graph runs as a graph of its own on the kept rows (or, if the check fails, as it is).
+            compiled = _Handed(self._with_packed_rows(gm, padding))
+            self._handed.append(compiled)
+            if identity is not None:
+                self._compiled.setdefault(identity, []).append(_Compiled(index, state, constants, compiled,
+                                                                         self.observer))
+            capture.capture_s = time.perf_counter() - start
+            self.report.captures.append(capture)
+            return compiled
         cut = find_label_sparsity(gm) if self.options.label_sparsity else None
         if cut is not None:
             capture.sparsity = cut.record if isinstance(cut, LabelSparsity) else cut

@@ -95,12 +95,21 @@ def _worth_running(node: torch.fx.Node) -> bool:
     return isinstance(node.target, OpOverload) and isinstance(node.meta.get("val"), torch.Tensor)
 
 
+def _hint(s: int | torch.SymInt) -> int | None:
+    if isinstance(s, torch.SymInt):
+        hint = s.node.hint
+        return int(hint) if isinstance(hint, int) else None
+    return int(s)
+
+
 def _dim_order(t: torch.Tensor) -> tuple[int, ...] | None:
-    """Dimensions from outermost to innermost in memory; None when strides are symbolic or not dense."""
-    try:
-        strides = [int(s) for s in t.stride()]
-        sizes = [int(s) for s in t.shape]
-    except (TypeError, RuntimeError):  # symbolic sizes: not decidable here
+    """Dimensions from outermost to innermost in memory; None when a size is unbacked (data-dependent)."""
+    # Symbolic sizes are read through their hints (this trace's values): int() on one would guard
+    # it to that value, and Dynamo would re-capture the graph for every new size. The order of
+    # strides does not change with the sizes, but for ties between dims of size 1.
+    strides = [_hint(s) for s in t.stride()]
+    sizes = [_hint(s) for s in t.shape]
+    if None in strides or None in sizes:  # unbacked sizes: not decidable here
         return None
     return tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], -sizes[d], d)))
 

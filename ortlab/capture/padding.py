@@ -1,0 +1,456 @@
+"""Embedding sparsity: the row-wise layers of an encoder run on the tokens that are not padding.
+
+ONNX Runtime training's "embedding sparsity" compute optimization (its ``PaddingElimination``
+graph transformer), on Dynamo's graph.
+
+Note [Embedding sparsity]
+A batch of sentences of different lengths is padded to the longest with ``padding_idx``
+tokens, yet every linear layer, norm and activation of a transformer runs on every row of
+``(batch, seq)``: with 30% padding, 30% of the projections' and MLPs' work (88% of a
+BERT-base layer's FLOPs at T=128) is spent on rows nobody reads. When Dynamo's graph looks
+a token up in an embedding with a ``padding_idx``,
+
+    e = embedding(ids, W, padding_idx=p)            # ids: a graph input, (B, S)
+
+the graph is rewritten to run on the kept rows: ``keep = (ids.flatten() != p).nonzero()``
+(computed in PyTorch before each call, its size is known only at run time) and
+
+    e = embedding(ids, ...).flatten(0, 1)[keep]      # (N, d): packed
+    y = f(x)                                         # f row-wise: runs on packed rows
+    z = g(unpack(y))                                 # g mixes rows: padded rows come back as zeros
+
+Row-wise means each row's result depends on that row alone: linear layers, layer norms over
+trailing dims, elementwise ops (dropout included) and reductions over trailing dims. An
+operand of such an op that varies by token but is not packed (the position embedding,
+``(1, S, d)``; the attention's output, ``(B, S, d)``) is expanded to ``(B, S, ...)`` and packed
+too, so a layer goes back to packed rows as soon as attention is done. Everything else
+(attention's reshapes into heads, its products, a pooler's ``h[:, 0]``, the graph's outputs)
+gets the padded layout back, zeros in the padded rows. Packing is an index with ``keep``
+(its gradient an index_put, exact in onnxruntime: Note in ``ortlab.torchlib.translations``),
+unpacking an index_put (its gradient an index).
+
+The contract, which the caller opts into (``Options.embedding_sparsity``, off by default):
+the padded tokens do not change the result of the others (the attention mask masks them
+out as keys, as a tokenizer's ``attention_mask`` does) and the graph's outputs are not read
+in padded rows (they are zeros there). The loss and every gradient are then those of eager,
+up to float rounding, while the padded rows' work is skipped. A model that attends to its
+padded tokens breaks the contract: its results would change. So the first call checks it:
+the rewritten graph and the original run in PyTorch on the same inputs, with their random
+ops (dropout) off, and every output must agree on the kept rows (scalar outputs such as the
+loss entirely) within float32 tolerance; otherwise the rewrite is dropped for good, with the
+difference in the report. A first batch without padding checks nothing; the check waits for
+the first batch that has some.
+
+Dynamo's graph has concrete sizes; the packed row count ``N`` is symbolic. The rewritten
+graph takes ``keep`` as one more input and is compiled by a backend like ortlab's own (the
+same report), with ``N`` marked dynamic, so a new number of padded tokens reuses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from ortlab._compat.torch import LINEAR_TARGETS
+from ortlab.provenance import module_path, source_line
+from ortlab.report import PaddingRecord
+
+__all__ = ["EmbeddingSparsity", "PaddingRecord", "check_embedding_sparsity", "find_embedding_sparsity", "pack",
+           "pack_dense", "traced", "unpack"]
+
+
+# ------------------------------------------------------------------ the ops the graph gets
+def pack(x: torch.Tensor, keep: torch.Tensor, lead: int) -> torch.Tensor:
+    """The kept rows of ``x``, its first ``lead`` dims flattened into one."""
+    return x.flatten(0, lead - 1)[keep] if lead > 1 else x[keep]
+
+
+def pack_dense(x: torch.Tensor, keep: torch.Tensor, ids: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``x``, broadcast to ``ids.shape + trailing`` (a result of ``ndim`` dims), then packed."""
+    x = x.reshape((1,) * (ndim - x.dim()) + tuple(x.shape)) if x.dim() < ndim else x
+    lead = ids.dim()
+    return pack(x.expand(*ids.shape, *x.shape[lead:]), keep, lead)
+
+
+def unpack(p: torch.Tensor, keep: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Packed rows back in the padded layout ``ids.shape + trailing``, zeros in the padded rows."""
+    dense = p.new_zeros((ids.numel(), *p.shape[1:]))
+    return torch.index_put(dense, (keep,), p).unflatten(0, ids.shape)
+
+
+# ------------------------------------------------------------------------ row-wise ops
+_EMBEDDING = inspect.signature(F.embedding)
+_LAYER_NORM = inspect.signature(F.layer_norm)
+# Ops of one tensor whose result at a row depends on that row alone (extra arguments are not tensors).
+_UNARY_FUNCTIONS = {
+    F.gelu, torch._C._nn.gelu, F.relu, torch.relu, F.silu,
+    torch.tanh, torch.sigmoid, F.dropout, torch.exp, torch.rsqrt, torch.sqrt, torch.erf, operator.neg, torch.neg,
+    F.softplus, F.mish, F.hardswish, F.leaky_relu, F.elu, torch.pow, torch.square, torch.abs,
+}
+_UNARY_METHODS = {"float", "half", "bfloat16", "to", "contiguous", "pow", "sqrt", "rsqrt", "exp", "tanh",
+                  "sigmoid", "relu", "neg", "abs", "square", "clone", "detach"}
+# Elementwise ops of two operands (broadcasting).
+_BINARY_FUNCTIONS = {operator.add, operator.sub, operator.mul, operator.truediv, torch.add, torch.sub, torch.mul,
+                     torch.div}
+_BINARY_METHODS = {"add", "sub", "mul", "div"}
+# Reductions over trailing dims (``x.pow(2).mean(-1, keepdim=True)`` of an RMSNorm).
+_REDUCTIONS = {"mean", "sum", "amax", "amin"}
+
+
+def _val(node: object) -> torch.Tensor | None:
+    v = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _is_rowwise_embedding(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
+    if node.op != "call_function" or node.target is not F.embedding:
+        return None
+    try:
+        bound = _EMBEDDING.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    p, ids = bound.arguments.get("padding_idx"), bound.arguments["input"]
+    if not isinstance(p, int) or not isinstance(ids, torch.fx.Node):
+        return None
+    return ids, p
+
+
+@dataclasses.dataclass
+class EmbeddingSparsity:
+    """A graph rewritten to run its row-wise ops on the tokens that are not padding.
+
+    ``graph`` takes the original graph's inputs and then ``keep``; ``ids_position`` is where
+    the token ids are among the inputs, ``padding_idx`` the token that is dropped.
+    """
+
+    graph: torch.fx.GraphModule
+    record: PaddingRecord
+    ids_position: int
+    padding_idx: int
+
+    def keep(self, args: Sequence[object]) -> torch.Tensor:
+        """The flat indices of the tokens that are not padding, for one call's inputs."""
+        ids = args[self.ids_position]
+        assert isinstance(ids, torch.Tensor)
+        keep = (ids.reshape(-1) != self.padding_idx).nonzero().squeeze(1)
+        if keep.numel() < 2 <= ids.numel():
+            # Dynamo specializes sizes 0 and 1 (a graph of its own for each); padded rows computed
+            # like tokens change nothing (the same contract), so two rows at least are kept.
+            keep = torch.cat([keep, torch.arange(2, device=keep.device)]).unique()
+        return keep
+
+
+def traced(graph: torch.fx.GraphModule) -> torch.nn.Module:
+    """``graph`` in a module Dynamo traces whole: it does not trace into a ``GraphModule``'s own call,
+    so ``torch.compile(graph)`` would run it eagerly and compile each function it calls alone."""
+    return _Traced(graph)
+
+
+class _Traced(torch.nn.Module):
+    def __init__(self, graph: torch.fx.GraphModule) -> None:
+        super().__init__()
+        self.graph = graph
+
+    def forward(self, *args: object) -> object:
+        return self.graph.forward(*args)
+
+
+def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | PaddingRecord | None:
+    """Rewrite ``gm`` to skip padded tokens (see Note [Embedding sparsity]).
+
+    Returns the rewritten graph, a ``PaddingRecord`` saying why an embedding with a
+    ``padding_idx`` could not be used, or None when the graph has no such embedding.
+    """
+    seeds = [(n, *found) for n in gm.graph.nodes if (found := _is_rowwise_embedding(n)) is not None]
+    if not seeds:
+        return None
+    emb, ids, padding_idx = seeds[0]
+    where = dict(module=module_path(emb), source=source_line(emb))
+    if ids.op != "placeholder":
+        return PaddingRecord(False, "the token ids are computed in the graph (only ids given to it are used)", **where)
+    ids_val = _val(ids)
+    if ids_val is None or ids_val.dim() < 1:
+        return PaddingRecord(False, "the token ids' sizes are unknown", **where)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    ids_position = placeholders.index(ids)
+
+    # Work on a copy: the original graph is what runs when the rewrite is dropped.
+    graph = torch.fx.Graph()
+    node_of: dict[torch.fx.Node, torch.fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, node_of))
+    new = torch.fx.GraphModule(gm, graph)
+    graph = new.graph
+    ids = node_of[ids]
+    seeds_new = {node_of[s] for s, i, p in seeds if i is seeds[0][1] and p == padding_idx}
+    lead = ids_val.dim()
+    lead_shape = tuple(ids_val.shape)
+    with graph.inserting_after(node_of[placeholders[-1]]):
+        keep = graph.placeholder("padding_keep")
+
+    packed: dict[torch.fx.Node, torch.fx.Node] = {}  # original node -> its packed value
+    unpacked: dict[torch.fx.Node, torch.fx.Node] = {}
+    packed_ops = 0
+
+    def token_shaped(n: object) -> bool:
+        v = _val(n)
+        return v is not None and v.dim() > lead and all(_same_size(a, b) for a, b in zip(v.shape, lead_shape))
+
+    def unpack_of(n: torch.fx.Node) -> torch.fx.Node:
+        if n not in unpacked:
+            with graph.inserting_after(packed[n]):
+                u = graph.call_function(unpack, (packed[n], keep, ids))
+            u.meta.update(n.meta)
+            u.meta["ortlab_unpacks"] = n.name  # the original graph's node it stands for (the check reads it)
+            unpacked[n] = u
+        return unpacked[n]
+
+    def pack_operand(a: object, at: torch.fx.Node, ndim: int) -> object:
+        """``a`` as an operand of a packed op at ``at`` (packed, row-uniform, or packed now)."""
+        if isinstance(a, torch.fx.Node) and a in packed:
+            return packed[a]
+        v = _val(a)
+        if v is None or v.dim() <= ndim - lead:  # a number, or broadcast over trailing dims only
+            return a
+        with graph.inserting_before(at):
+            return graph.call_function(pack_dense, (a, keep, ids, ndim))
+
+    def varies_by_row(a: object, ndim: int) -> bool:
+        v = _val(a)
+        return v is not None and v.dim() > ndim - lead
+
+    for node in list(graph.nodes):
+        if node.op == "output":
+            continue
+        if node in seeds_new:
+            with graph.inserting_after(node):
+                p = graph.call_function(pack, (node, keep, lead))
+            packed[node] = p
+            continue
+        if node.op not in ("call_function", "call_method"):
+            continue
+        out = _val(node)
+        args_nodes = [a for a in node.all_input_nodes if a is not keep]
+        any_packed = any(a in packed for a in args_nodes)
+        rowwise = out is not None and token_shaped(node) and _rowwise(node, lead, out.dim())
+        # A linear layer or norm of a token-shaped input goes back to packed rows (after attention).
+        enters = rowwise and not any_packed and (node.target in LINEAR_TARGETS or node.target is F.layer_norm) \
+            and packed and token_shaped(node.args[0])
+        if rowwise and (any_packed or enters):
+            ndim = out.dim()
+            with graph.inserting_after(node):
+                if node.op == "call_function" and node.target not in _BINARY_FUNCTIONS:
+                    # A linear layer's or norm's input: its weights are the same for every row.
+                    p = graph.call_function(node.target, (pack_operand(node.args[0], node, ndim), *node.args[1:]),
+                                            dict(node.kwargs))
+                elif node.op == "call_function":
+                    new_args = tuple(pack_operand(a, node, ndim) if isinstance(a, torch.fx.Node) else a
+                                     for a in node.args)
+                    p = graph.call_function(node.target, new_args, dict(node.kwargs))
+                else:
+                    self_ = pack_operand(node.args[0], node, ndim)
+                    rest = tuple(pack_operand(a, node, ndim) if isinstance(a, torch.fx.Node) else a
+                                 for a in node.args[1:])
+                    p = graph.call_method(node.target, (self_, *rest), dict(node.kwargs))
+            p.meta.update({k: v for k, v in node.meta.items() if k != "example_value"})
+            packed[node] = p
+            packed_ops += 1
+            continue
+        # Not row-wise: every packed input goes back to the padded layout.
+        for a in args_nodes:
+            if a in packed:
+                node.replace_input_with(a, unpack_of(a))
+    out_node = next(iter(graph.find_nodes(op="output")))
+    for a in list(out_node.all_input_nodes):
+        if a in packed:
+            out_node.replace_input_with(a, unpack_of(a))
+    # The dense originals that their packed forms replaced (not a general dead-code pass: the
+    # graph may update buffers in place with results nobody reads).
+    for node in reversed(list(graph.nodes)):
+        if node in packed and node not in seeds_new and not node.users:
+            graph.erase_node(node)
+    if packed_ops == 0:
+        return PaddingRecord(False, "no row-wise op follows the embedding", **where)
+    new.recompile()
+    record = PaddingRecord(True, f"padding_idx {padding_idx} of the graph input {ids.target} {tuple(lead_shape)}",
+                           packed_ops=packed_ops, unpacks=len(unpacked), **where)
+    return EmbeddingSparsity(new, record, ids_position, padding_idx)
+
+
+def _same_size(a: int | torch.SymInt, b: int | torch.SymInt) -> bool:
+    """Sizes known equal at trace time: equal ints, or the same symbolic expression (comparing
+    them with ``==`` would add a guard to Dynamo's shape environment)."""
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
+    return a == b
+
+
+def _rowwise(node: torch.fx.Node, lead: int, ndim: int) -> bool:
+    """Whether ``node``'s result at a token depends on that token's row alone."""
+    t = node.target
+    if node.op == "call_function":
+        if t in LINEAR_TARGETS:
+            return True
+        if t is F.layer_norm:
+            try:
+                shape = _LAYER_NORM.bind(*node.args, **node.kwargs).arguments["normalized_shape"]
+            except TypeError:
+                return False
+            return isinstance(shape, (tuple, list, torch.Size)) and len(shape) <= ndim - lead
+        if t in _UNARY_FUNCTIONS:
+            return all(not isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values()))
+        if t in _BINARY_FUNCTIONS:
+            return len(node.args) == 2 and all(_broadcasts(a, node, lead) for a in node.args)
+        return False
+    if t in _UNARY_METHODS:
+        return all(not isinstance(a, torch.fx.Node) for a in (*node.args[1:], *node.kwargs.values()))
+    if t in _BINARY_METHODS:
+        return len(node.args) == 2 and not node.kwargs and all(_broadcasts(a, node, lead) for a in node.args)
+    if t in _REDUCTIONS:
+        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        dims = (dims,) if isinstance(dims, int) else dims
+        keepdim = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+        src = _val(node.args[0])
+        return (isinstance(dims, (tuple, list)) and bool(dims) and src is not None
+                and all(isinstance(d, int) and -src.dim() + lead <= d < 0 for d in dims) and bool(keepdim)
+                and ndim == src.dim())
+    return False
+
+
+def _broadcasts(a: object, node: torch.fx.Node, lead: int) -> bool:
+    """An operand that does not change the result's token dims by broadcasting into them."""
+    v = _val(a)
+    out = _val(node)
+    if v is None or out is None:
+        return not isinstance(a, torch.fx.Node)
+    return v.dim() <= out.dim()
+
+
+
+# ------------------------------------------------------------------------- the check
+_DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
+_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+# The project's parity tolerance (float32 outputs against eager).
+_RTOL, _ATOL = 1e-4, 1e-5
+
+
+def _without_dropout(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose dropouts pass their input through (packed rows draw other masks)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target in _DROPOUTS:
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+        elif node.op == "call_function" and node.target in _SDPA:
+            if len(node.args) > 4:
+                node.args = (*node.args[:4], 0.0, *node.args[5:])
+            else:
+                node.kwargs = {**node.kwargs, "dropout_p": 0.0}
+    return torch.fx.GraphModule(gm, graph)
+
+
+class _Probe(torch.fx.Interpreter):
+    """Runs a rewritten graph with the padded rows of every ``unpack`` as a tensor to differentiate by."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.fills: list[tuple[str, torch.Tensor]] = []  # (the original node it stands for, the fill)
+
+    def run_node(self, n: torch.fx.Node) -> object:
+        if n.op == "call_function" and n.target is unpack:
+            p, keep, ids = self.map_nodes_to_values(n.args, n)
+            fill = p.detach().new_zeros((ids.numel(), *p.shape[1:])).requires_grad_()
+            self.fills.append((n.meta["ortlab_unpacks"], fill))
+            return torch.index_put(fill, (keep,), p).unflatten(0, ids.shape)
+        return super().run_node(n)
+
+
+class _Record(torch.fx.Interpreter):
+    """Runs a graph and keeps the values of the nodes named in ``names``."""
+
+    def __init__(self, gm: torch.fx.GraphModule, names: set[str]) -> None:
+        super().__init__(gm)
+        self.names, self.values = names, {}
+
+    def run_node(self, n: torch.fx.Node) -> object:
+        out = super().run_node(n)
+        if n.name in self.names:
+            self.values[n.name] = out
+        return out
+
+
+def check_embedding_sparsity(gm: torch.fx.GraphModule, found: EmbeddingSparsity, args: Sequence[object],
+                             keep: torch.Tensor) -> str | None:
+    """Whether skipping the padded rows changes ``gm``'s results on ``args`` (see Note [Embedding sparsity]).
+
+    Runs the original and the rewritten graph in PyTorch, dropout off, from the same random
+    state, on copies of the inputs that are not parameters (a BatchNorm updates its buffers in
+    place). Two questions, each answered on the kept rows of every output:
+
+    - do the outputs agree (within float32 tolerance)? A wrong rewrite would show here;
+    - does a padded row's zero, where eager has another value, reach them? The rows ``unpack``
+      fills with zeros are differentiated by: a masked-out token gets exactly zero gradient
+      (its softmax weight is 0), while a token the model attends to does not, however small
+      its effect on the values (a randomly initialized model's attention is near uniform, and
+      a loss may move by 1e-6 where the gradients move by 1e-4). An element whose eager value
+      is 0 anyway (``h * mask`` unpacked for a masked mean) may have any gradient.
+
+    Returns the first problem, in words, or None.
+    """
+    ids = args[found.ids_position]
+    assert isinstance(ids, torch.Tensor)
+    lead = ids.dim()
+
+    def copies() -> list[object]:
+        return [a.detach().clone() if isinstance(a, torch.Tensor) and not isinstance(a, torch.nn.Parameter) else a
+                for a in args]
+
+    def kept(t: torch.Tensor) -> torch.Tensor:
+        return pack(t, keep, lead) if t.dim() >= lead and tuple(t.shape[:lead]) == tuple(ids.shape) else t
+
+    devices = [ids.device.index or 0] if ids.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        rng = torch.get_rng_state()
+        names = {n.meta["ortlab_unpacks"] for n in found.graph.graph.nodes if n.target is unpack}
+        record = _Record(_without_dropout(gm), names)
+        with torch.no_grad():
+            ref = record.run(*copies())
+        torch.set_rng_state(rng)
+        probe = _Probe(_without_dropout(found.graph))
+        with torch.enable_grad():
+            got = probe.run(*copies(), keep)
+        refs, gots = torch.utils._pytree.tree_leaves(ref), torch.utils._pytree.tree_leaves(got)
+        weighted = []
+        for i, (r, g) in enumerate(zip(refs, gots)):
+            if not isinstance(r, torch.Tensor):
+                continue
+            r, g = kept(r), kept(g)
+            if r.is_floating_point() or r.is_complex():
+                if not torch.allclose(g.detach(), r, rtol=_RTOL, atol=_ATOL, equal_nan=True):
+                    diff = (g.detach() - r).abs().max().item()
+                    return (f"output {i} changed by up to {diff:.3g} on the tokens that are not padding, so the "
+                            f"padded tokens change the others' results (is an attention mask masking them out?)")
+                if g.requires_grad:
+                    # Random weights: outputs that cancel out in a plain sum cannot hide a dependence.
+                    weighted.append((g * torch.randn_like(g)).sum())
+            elif not torch.equal(g, r):
+                return f"output {i} (integers) changed on the tokens that are not padding"
+        if weighted and probe.fills:
+            grads = torch.autograd.grad(sum(weighted), [f for _, f in probe.fills], allow_unused=True)
+            for (name, fill), grad in zip(probe.fills, grads):
+                eager = record.values.get(name)
+                if grad is None or not isinstance(eager, torch.Tensor):
+                    continue
+                leak = grad.abs() * (eager.reshape(fill.shape) != 0)
+                if leak.max().item() > 0:
+                    return (f"the outputs on the tokens that are not padding depend on the padded tokens' values "
+                            f"at {name} (gradient up to {leak.max().item():.3g} where a masked-out token has 0), "
+                            f"so the padded tokens change the others' results (is an attention mask masking "
+                            f"them out?)")
+    return None

@@ -1,0 +1,106 @@
+"""Embedding sparsity (Note [Embedding sparsity] in ``ortlab.capture.padding``): the row-wise
+layers run on the tokens that are not padding, with eager's loss and gradients.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from test_sparsity import _train_beside_eager  # conftest puts tests/ on sys.path
+
+class Pooled(nn.Module):
+    """Token embedding with a padding_idx, a learned position table, an RMS norm, an MLP and a masked mean."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16, padding_idx=0)
+        self.pos = nn.Parameter(torch.randn(8, 16))
+        self.norm = nn.Parameter(torch.ones(16))
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) + self.pos
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.norm
+        h = self.down(F.gelu(self.up(h))) + h
+        m = (ids != 0).unsqueeze(-1).float()
+        return F.mse_loss((h * m).sum(1) / m.sum(1), y)
+
+
+def _padded_ids(g: torch.Generator, lengths: list[int], seq: int, vocab: int) -> torch.Tensor:
+    ids = torch.randint(1, vocab, (len(lengths), seq), generator=g)
+    return ids.masked_fill(torch.arange(seq)[None] >= torch.tensor(lengths)[:, None], 0)
+
+
+def test_row_wise_layers_run_on_the_tokens_that_are_not_padding_with_eagers_loss_and_gradients():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    lengths = [[8, 5, 3], [6, 6, 2], [8, 1, 4]]
+    batches = [(_padded_ids(g, n, 8, 50), torch.randn(3, 16, generator=g)) for n in lengths]
+    ort = _train_beside_eager(Pooled(), batches, embedding_sparsity=True)
+    record = ort.report.captures[0].padding
+    assert record.applied and record.module == "emb", record
+    assert record.packed_ops >= 8  # the position add, the norm's steps, both linear layers, gelu, the residual
+    dropped = [24 - sum(n) for n in lengths]
+    assert (record.steps, record.rows, record.dropped, record.total_dropped) == (3, 24, dropped[-1], sum(dropped))
+    assert "embedding sparsity: on (emb" in str(ort.report)
+    # One graph on the kept rows, with a symbolic row count: new padding re-captures nothing; all in onnxruntime.
+    main, packed = ort.report.captures
+    assert "embedding sparsity" in packed.purpose and not main.graphs
+    assert all(g.ort_partitions == 1 and g.torch_nodes == 0 for g in packed.graphs)
+    assert not ort.report.fallbacks
+
+
+def test_off_by_default():
+    g = torch.Generator().manual_seed(1)
+    ort = _train_beside_eager(Pooled(), [(_padded_ids(g, [8, 3], 8, 50), torch.randn(2, 16, generator=g))])
+    assert ort.report.captures[0].padding is None and len(ort.report.captures) == 1
+
+
+def _bert(**config: object) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=200, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0, **config)
+
+    class Classify(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bert = transformers.BertForSequenceClassification(cfg)
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+            return self.bert(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    torch.manual_seed(0)
+    return Classify()
+
+
+def _bert_batches(lengths: list[list[int]], with_mask: bool = True) -> list[tuple]:
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for n in lengths:
+        ids = _padded_ids(g, n, 16, 200)
+        out.append((ids, (ids != 0).long() if with_mask else None, torch.randint(0, 2, (len(n),), generator=g)))
+    return out
+
+
+def test_bert_with_its_attention_mask_skips_padded_tokens():
+    ort = _train_beside_eager(_bert(), _bert_batches([[16, 9, 5], [12, 16, 3]]), embedding_sparsity=True)
+    record = ort.report.captures[0].padding
+    assert record.applied and record.module.endswith("word_embeddings"), record
+    assert record.total_dropped == (48 - 30) + (48 - 31)
+
+
+def test_a_model_that_attends_to_its_padding_keeps_every_row():
+    """Without an attention mask the padded tokens change the others: the first padded batch's check
+    finds it, warns, and the graph runs on every row from then on (eager's results throughout)."""
+    batches = _bert_batches([[16, 16, 16], [16, 9, 5], [12, 16, 3]], with_mask=False)
+    with pytest.warns(UserWarning, match="embedding sparsity is off .* the padded tokens change the others"):
+        ort = _train_beside_eager(_bert(), batches, embedding_sparsity=True)
+    record = ort.report.captures[0].padding
+    assert not record.applied and "failed the check" in record.reason, record
+    assert record.steps == 1  # the batch without padding ran on the kept rows, which were all of them
+    assert "embedding sparsity: not applied" in str(ort.report)
+    assert any("every row" in c.purpose for c in ort.report.captures)
