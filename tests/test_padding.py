@@ -53,10 +53,12 @@ def test_row_wise_layers_run_on_the_tokens_that_are_not_padding_with_eagers_loss
     assert not ort.report.fallbacks
 
 
-def test_off_by_default():
+def test_off_by_default_and_the_report_says_where_it_would_apply():
     g = torch.Generator().manual_seed(1)
     ort = _train_beside_eager(Pooled(), [(_padded_ids(g, [8, 3], 8, 50), torch.randn(2, 16, generator=g))])
-    assert ort.report.captures[0].padding is None and len(ort.report.captures) == 1
+    (capture,) = ort.report.captures
+    assert not capture.padding.applied and capture.padding.module == "emb"
+    assert "embedding sparsity: not applied (emb" in str(ort.report) and "embedding_sparsity=False" in str(ort.report)
 
 
 def _bert(**config: object) -> nn.Module:
@@ -104,3 +106,36 @@ def test_a_model_that_attends_to_its_padding_keeps_every_row():
     assert record.steps == 1  # the batch without padding ran on the kept rows, which were all of them
     assert "embedding sparsity: not applied" in str(ort.report)
     assert any("every row" in c.purpose for c in ort.report.captures)
+
+
+def test_a_masked_language_model_skips_padded_tokens_and_ignored_labels(monkeypatch):
+    """The LM head keeps every row in the graph on packed rows, so label sparsity still cuts it there:
+    the encoder runs on the tokens that are not padding, the head and loss on the labelled ones."""
+    transformers = pytest.importorskip("transformers")
+    from ortlab.capture import sparsity
+
+    monkeypatch.setattr(sparsity, "MIN_HEAD_WEIGHTS", 0)  # a small head, for speed
+    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                                  vocab_size=200, max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+
+    class MaskedLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lm = transformers.BertForMaskedLM(cfg)
+
+        def forward(self, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return self.lm(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for lengths in ([16, 9, 5], [12, 7, 3]):
+        ids = _padded_ids(g, lengths, 16, 200)
+        labels = ids.masked_fill((torch.rand(3, 16, generator=g) < 0.85) | (ids == 0), -100)
+        batches.append((ids, (ids != 0).long(), labels))
+    ort = _train_beside_eager(MaskedLM(), batches, embedding_sparsity=True)
+    main, packed, tail = ort.report.captures
+    assert main.padding.applied and main.padding.total_dropped == (48 - 30) + (48 - 22)
+    assert packed.sparsity.applied and packed.sparsity.module == "lm.cls.predictions.decoder", packed.sparsity
+    assert "label sparsity" in tail.purpose

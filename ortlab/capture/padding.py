@@ -6,7 +6,7 @@ graph transformer), on Dynamo's graph.
 Note [Embedding sparsity]
 A batch of sentences of different lengths is padded to the longest with ``padding_idx``
 tokens, yet every linear layer, norm and activation of a transformer runs on every row of
-``(batch, seq)``: with 30% padding, 30% of the projections' and MLPs' work (88% of a
+``(batch, seq)``: with 30% padding, 30% of the projections' and MLPs' work (97% of a
 BERT-base layer's FLOPs at T=128) is spent on rows nobody reads. When Dynamo's graph looks
 a token up in an embedding with a ``padding_idx``,
 
@@ -27,21 +27,32 @@ too, so a layer goes back to packed rows as soon as attention is done. Everythin
 (attention's reshapes into heads, its products, a pooler's ``h[:, 0]``, the graph's outputs)
 gets the padded layout back, zeros in the padded rows. Packing is an index with ``keep``
 (its gradient an index_put, exact in onnxruntime: Note in ``ortlab.torchlib.translations``),
-unpacking an index_put (its gradient an index).
+unpacking an index_put (its gradient an index). One row-wise op keeps every row: a linear
+layer a cross-entropy reads (an LM head), so that label sparsity cuts it in the rewritten
+graph as in any other (Note [Label sparsity]): a masked language model's encoder then runs
+on the tokens that are not padding, and its head and loss on the labelled ones.
 
 The contract, which the caller opts into (``Options.embedding_sparsity``, off by default):
 the padded tokens do not change the result of the others (the attention mask masks them
 out as keys, as a tokenizer's ``attention_mask`` does) and the graph's outputs are not read
 in padded rows (they are zeros there). The loss and every gradient are then those of eager,
 up to float rounding, while the padded rows' work is skipped. A model that attends to its
-padded tokens breaks the contract: its results would change. So the first call checks it:
-the rewritten graph and the original run in PyTorch on the same inputs, with their random
-ops (dropout) off, and every output must agree on the kept rows (scalar outputs such as the
-loss entirely) within float32 tolerance; otherwise the rewrite is dropped for good, with the
-difference in the report. A first batch without padding checks nothing; the check waits for
-the first batch that has some.
+padded tokens breaks the contract: its results would change. So the first batch with padding
+checks it (``check_embedding_sparsity``): the rewritten graph and the original run in PyTorch
+on the same inputs, random ops (dropout) off, and (1) every output must agree on the kept rows
+(scalar outputs such as the loss entirely) within float32 tolerance, and (2) the outputs on the
+kept rows must not depend on any padded row that ``unpack`` sets to zero where eager's value is
+not zero: their gradient by those rows must be exactly 0, as a masked-out key's is (its
+softmax weight is 0). (1) alone misses a tiny randomly initialized model whose near-uniform
+attention moves the loss by 1e-6 where it moves the gradients by 1e-4. When either fails the
+rewrite is dropped for good, with a warning and the reason in the report. A batch without
+padding runs the rewritten graph (every row kept: eager's results) and checks nothing.
 
-Dynamo's graph has concrete sizes; the packed row count ``N`` is symbolic. The rewritten
+With dropout on, the packed rows draw their masks from the random stream in another order
+than eager's padded tensor, so losses match eager's in distribution, not bit for bit.
+
+Dynamo's graph has the batch's sizes (concrete, or symbolic after a re-capture); the packed
+row count ``N`` is symbolic. The rewritten
 graph takes ``keep`` as one more input and is compiled by a backend like ortlab's own (the
 same report), with ``N`` marked dynamic, so a new number of padded tokens reuses it.
 """
@@ -61,8 +72,8 @@ from ortlab._compat.torch import LINEAR_TARGETS
 from ortlab.provenance import module_path, source_line
 from ortlab.report import PaddingRecord
 
-__all__ = ["EmbeddingSparsity", "PaddingRecord", "check_embedding_sparsity", "find_embedding_sparsity", "pack",
-           "pack_dense", "traced", "unpack"]
+__all__ = ["EmbeddingSparsity", "PaddingRecord", "check_embedding_sparsity", "embedding_sparsity_off",
+           "find_embedding_sparsity", "pack", "pack_dense", "traced", "unpack"]
 
 
 # ------------------------------------------------------------------ the ops the graph gets
@@ -161,6 +172,17 @@ class _Traced(torch.nn.Module):
         return self.graph.forward(*args)
 
 
+def embedding_sparsity_off(gm: torch.fx.GraphModule) -> PaddingRecord | None:
+    """The report's line for a graph embedding sparsity could serve while it is off (None if none)."""
+    for node in gm.graph.nodes:
+        found = _is_rowwise_embedding(node)
+        if found is not None and found[0].op == "placeholder":
+            return PaddingRecord(False, f"off (embedding_sparsity=False); on, the row-wise layers would run only on "
+                                        f"the tokens that are not padding_idx {found[1]}",
+                                 module=module_path(node), source=source_line(node))
+    return None
+
+
 def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | PaddingRecord | None:
     """Rewrite ``gm`` to skip padded tokens (see Note [Embedding sparsity]).
 
@@ -193,6 +215,7 @@ def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | Pad
     with graph.inserting_after(node_of[placeholders[-1]]):
         keep = graph.placeholder("padding_keep")
 
+    heads = _lm_heads(graph)
     packed: dict[torch.fx.Node, torch.fx.Node] = {}  # original node -> its packed value
     unpacked: dict[torch.fx.Node, torch.fx.Node] = {}
     packed_ops = 0
@@ -237,7 +260,7 @@ def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | Pad
         out = _val(node)
         args_nodes = [a for a in node.all_input_nodes if a is not keep]
         any_packed = any(a in packed for a in args_nodes)
-        rowwise = out is not None and token_shaped(node) and _rowwise(node, lead, out.dim())
+        rowwise = out is not None and token_shaped(node) and _rowwise(node, lead, out.dim()) and node not in heads
         # A linear layer or norm of a token-shaped input goes back to packed rows (after attention).
         enters = rowwise and not any_packed and (node.target in LINEAR_TARGETS or node.target is F.layer_norm) \
             and packed and token_shaped(node.args[0])
@@ -280,6 +303,26 @@ def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | Pad
     record = PaddingRecord(True, f"padding_idx {padding_idx} of the graph input {ids.target} {tuple(lead_shape)}",
                            packed_ops=packed_ops, unpacks=len(unpacked), **where)
     return EmbeddingSparsity(new, record, ids_position, padding_idx)
+
+
+def _lm_heads(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Linear layers whose output a cross-entropy loss reads (through reshapes and casts).
+
+    They keep every row: label sparsity (Note [Label sparsity]) then runs the head on the rows
+    whose label counts, which leaves out the padded ones too when they are labelled -100 (a
+    masked language model's), and keeps the loss as eager's whatever the padded rows' labels.
+    """
+    heads = set()
+    for ce in graph.nodes:
+        if ce.op != "call_function" or ce.target is not F.cross_entropy or not ce.args:
+            continue
+        node = ce.args[0]
+        while isinstance(node, torch.fx.Node) and node.op == "call_method" and \
+                node.target in ("view", "reshape", "float", "to", "contiguous"):
+            node = node.args[0]
+        if isinstance(node, torch.fx.Node) and node.target in LINEAR_TARGETS:
+            heads.add(node)
+    return heads
 
 
 def _same_size(a: int | torch.SymInt, b: int | torch.SymInt) -> bool:

@@ -23,7 +23,8 @@ import torch.fx
 from ortlab._compat.torch import COMPILE_ISOLATION, DYNAMO_CONTROL_FLOW, global_state
 from ortlab.artifacts import FolderSink
 from ortlab.capture.aot import graph_device, rewrite_sdpa, trace
-from ortlab.capture.padding import EmbeddingSparsity, check_embedding_sparsity, find_embedding_sparsity, traced
+from ortlab.capture.padding import (EmbeddingSparsity, check_embedding_sparsity, embedding_sparsity_off,
+                                   find_embedding_sparsity, traced)
 from ortlab.capture.sparsity import LabelSparsity, find_label_sparsity
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import CaptureError, DeviceError, FallbackError, SessionError, first_line
@@ -273,7 +274,7 @@ class OrtlabBackend:
             warn_fallback(fb)
             self.report.captures.append(capture)
             return gm.forward
-        padding = find_embedding_sparsity(gm) if self.options.embedding_sparsity else None
+        padding = find_embedding_sparsity(gm) if self.options.embedding_sparsity else embedding_sparsity_off(gm)
         if padding is not None:
             capture.padding = padding.record if isinstance(padding, EmbeddingSparsity) else padding
         if isinstance(padding, EmbeddingSparsity):
