@@ -77,12 +77,11 @@ def _float64_referee(model: torch.nn.Module, batch: dict) -> str:
             f"statistic's largest value or 1) eager {eager_err:.1e}, ortlab {ortlab_err:.1e}")
 
 
-def compare(name: str, model: torch.nn.Module, batch_fn, steps: int = 2) -> str:  # noqa: ANN001
-    start = time.perf_counter()
-    model.train()
-    original = copy.deepcopy(model)
-    eager = copy.deepcopy(model)
-    om = ortlab.ORTModule(model)
+def train_beside_eager(om: ortlab.ORTModule, eager: torch.nn.Module, batch_fn, steps: int = 2):  # noqa: ANN001, ANN201
+    """``steps`` SGD steps of ``om`` and ``eager`` from equal weights on ``batch_fn``'s batches.
+
+    Returns the largest gradient difference, the gaps beyond rtol/atol (in words) and the first batch.
+    """
     g = torch.Generator().manual_seed(1)
     worst, first_batch, gaps = 0.0, None, []
     for step in range(steps):
@@ -115,6 +114,16 @@ def compare(name: str, model: torch.nn.Module, batch_fn, steps: int = 2) -> str:
                     p.sub_(0.05 * p.grad)
                 q.copy_(p)
                 p.grad = q.grad = None
+    return worst, gaps, first_batch
+
+
+def compare(name: str, model: torch.nn.Module, batch_fn, steps: int = 2) -> str:  # noqa: ANN001
+    start = time.perf_counter()
+    model.train()
+    original = copy.deepcopy(model)
+    eager = copy.deepcopy(model)
+    om = ortlab.ORTModule(model)
+    worst, gaps, first_batch = train_beside_eager(om, eager, batch_fn, steps)
     fallbacks = sorted({f"{f.kind or f.scope}: {f.op or f.reason.splitlines()[0][:60]}" for f in om.report.fallbacks})
     verdict = "OK"
     if gaps:
@@ -162,7 +171,8 @@ def clip(g: torch.Generator) -> dict:
 
 
 def _case(model: type, config: type, batch, **cfg: object):  # noqa: ANN001, ANN202
-    return lambda: (model(config(**cfg)), batch)
+    """``CASES[name](**extra)`` builds the model (``extra``: more config, e.g. ``pad_token_id``) and its batches."""
+    return lambda **extra: (model(config(**{**cfg, **extra})), batch)
 
 
 small = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_hidden_layers=2, vocab_size=V)

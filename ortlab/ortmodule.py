@@ -32,6 +32,7 @@ from ortlab._compat.torch import (
     disable_donated_buffers,
     ignore_once_only_logging,
     dynamo_counters,
+    torch_compile,
     guard_failures_of,
     pytree,
     set_dynamo_config,
@@ -294,7 +295,7 @@ class ORTModule(nn.Module):
         report = Report(hints=hints)
         backend = OrtlabBackend(self._ortlab_options, self._ortlab_debug, report, self._ortlab_observer,
                                 self._ortlab_sinks)
-        compiled = torch.compile(
+        compiled = torch_compile(
             self._ortlab_module,
             backend=backend,
             dynamic=self._ortlab_options.dynamic,

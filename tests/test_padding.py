@@ -4,6 +4,8 @@ layers run on the tokens that are not padding, with eager's loss and gradients.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,3 +141,23 @@ def test_a_masked_language_model_skips_padded_tokens_and_ignored_labels(monkeypa
     assert main.padding.applied and main.padding.total_dropped == (48 - 30) + (48 - 22)
     assert packed.sparsity.applied and packed.sparsity.module == "lm.cls.predictions.decoder", packed.sparsity
     assert "label sparsity" in tail.purpose
+
+
+def test_graphs_compiled_after_the_first_session_survive_a_wrapped_torch_compile(monkeypatch):
+    """Lightning replaces torch.compile with a wrapper that deep-copies its keyword arguments (the
+    backend, whose report holds onnxruntime sessions by then): ortlab compiles past such wrappers."""
+    import functools
+
+    compile_ = torch.compile
+
+    @functools.wraps(compile_)
+    def copying(*args, **kwargs):
+        return compile_(*args, **copy.deepcopy(kwargs))
+
+    monkeypatch.setattr(torch, "compile", copying)
+    g = torch.Generator().manual_seed(1)
+    # A new batch size re-captures: its graph on packed rows is compiled when sessions exist.
+    batches = [(_padded_ids(g, n, 8, 50), torch.randn(len(n), 16, generator=g)) for n in ([8, 5, 3], [6, 2])]
+    ort = _train_beside_eager(Pooled(), batches, embedding_sparsity=True)
+    packed = [c for c in ort.report.captures if "embedding sparsity" in c.purpose]
+    assert len(packed) == 2 and all(c.padding is None or c.padding.applied for c in ort.report.captures)

@@ -51,6 +51,9 @@ __all__ = [
     "unset_fake_temporarily",
     "SDPA_TARGETS",
     "LINEAR_TARGETS",
+    "GELU_TARGETS",
+    "maybe_mark_dynamic",
+    "torch_compile",
     "COMPILE_ISOLATION",
     "guard_failures_of",
     "global_state",
@@ -231,6 +234,27 @@ COMPILE_ISOLATION: dict[str, Any] = (
 )
 # The same for ``F.linear`` (``nn.Linear`` in Dynamo's graph is ``torch._C._nn.linear``).
 LINEAR_TARGETS = frozenset({torch._C._nn.linear, torch.nn.functional.linear})
+# And for ``F.gelu`` (``nn.GELU`` and Hugging Face's activations record the C binding).
+GELU_TARGETS = frozenset({torch._C._nn.gelu, torch.nn.functional.gelu})
+# Marks a dim of a tensor Dynamo is about to trace as symbolic, without an error if the graph
+# specializes it (2.1+; torch has no public spelling).
+maybe_mark_dynamic = torch._dynamo.maybe_mark_dynamic
+
+
+def torch_compile(model: Any, **kwargs: Any) -> Any:
+    """``torch.compile``, past the wrappers other libraries put over it.
+
+    Lightning's ``lightning.fabric.wrappers`` replaces ``torch.compile`` at import with a
+    function that deep-copies every keyword argument of a module's compile, the backend
+    included: ortlab's backends share their report, which holds onnxruntime sessions, and
+    copying one raised "cannot pickle InferenceSession" (a label-sparsity tail or an
+    embedding-sparsity graph compiled after the first session, in a process that imported
+    Lightning). The wrappers say what they wrap in ``__wrapped__`` (``functools.wraps``).
+    """
+    compile_ = torch.compile
+    while getattr(compile_, "__wrapped__", None) is not None:
+        compile_ = compile_.__wrapped__
+    return compile_(model, **kwargs)
 
 def tensor_version(t: torch.Tensor) -> int:
     """The version counter in-place ops bump (``Tensor._version``, 1.0+; no public spelling)."""

@@ -68,7 +68,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from ortlab._compat.torch import LINEAR_TARGETS
+from ortlab._compat.torch import GELU_TARGETS, LINEAR_TARGETS, SDPA_TARGETS, pytree
 from ortlab.provenance import module_path, source_line
 from ortlab.report import PaddingRecord
 
@@ -100,7 +100,7 @@ _EMBEDDING = inspect.signature(F.embedding)
 _LAYER_NORM = inspect.signature(F.layer_norm)
 # Ops of one tensor whose result at a row depends on that row alone (extra arguments are not tensors).
 _UNARY_FUNCTIONS = {
-    F.gelu, torch._C._nn.gelu, F.relu, torch.relu, F.silu,
+    *GELU_TARGETS, F.relu, torch.relu, F.silu,
     torch.tanh, torch.sigmoid, F.dropout, torch.exp, torch.rsqrt, torch.sqrt, torch.erf, operator.neg, torch.neg,
     F.softplus, F.mish, F.hardswish, F.leaky_relu, F.elu, torch.pow, torch.square, torch.abs,
 }
@@ -199,6 +199,15 @@ def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | Pad
     ids_val = _val(ids)
     if ids_val is None or ids_val.dim() < 1:
         return PaddingRecord(False, "the token ids' sizes are unknown", **where)
+    weight = _EMBEDDING.bind(*emb.args, **emb.kwargs).arguments["weight"]
+    for other in gm.graph.nodes:
+        if (other is not emb and other.op == "call_function" and other.target is F.embedding
+                and _EMBEDDING.bind(*other.args, **other.kwargs).arguments["weight"] is weight
+                and _EMBEDDING.bind(*other.args, **other.kwargs).arguments["input"] is not ids):
+            # Tensors are matched to the tokens by their leading sizes: a decoder of as many tokens
+            # would have its rows dropped by the encoder's padding.
+            return PaddingRecord(False, "the embedding also looks up a second token sequence (an encoder-decoder's "
+                                        "decoder), whose rows the first one's padding does not describe", **where)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     ids_position = placeholders.index(ids)
 
@@ -377,7 +386,6 @@ def _broadcasts(a: object, node: torch.fx.Node, lead: int) -> bool:
 
 # ------------------------------------------------------------------------- the check
 _DROPOUTS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout}
-_SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 # The project's parity tolerance (float32 outputs against eager).
 _RTOL, _ATOL = 1e-4, 1e-5
 
@@ -390,7 +398,7 @@ def _without_dropout(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.op == "call_function" and node.target in _DROPOUTS:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
-        elif node.op == "call_function" and node.target in _SDPA:
+        elif node.op == "call_function" and node.target in SDPA_TARGETS:
             if len(node.args) > 4:
                 node.args = (*node.args[:4], 0.0, *node.args[5:])
             else:
@@ -468,7 +476,7 @@ def check_embedding_sparsity(gm: torch.fx.GraphModule, found: EmbeddingSparsity,
         probe = _Probe(_without_dropout(found.graph))
         with torch.enable_grad():
             got = probe.run(*copies(), keep)
-        refs, gots = torch.utils._pytree.tree_leaves(ref), torch.utils._pytree.tree_leaves(got)
+        refs, gots = pytree.tree_leaves(ref), pytree.tree_leaves(got)
         weighted = []
         for i, (r, g) in enumerate(zip(refs, gots)):
             if not isinstance(r, torch.Tensor):

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ortlab._compat.torch import dynamo_counters, eager_backward_lowering
+from ortlab._compat.torch import dynamo_counters, eager_backward_lowering, torch_compile
 from ortlab.artifacts import FolderSink
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import OrtlabError, UnsupportedInputError, first_line
@@ -194,7 +194,7 @@ class _Pipeline:
 
     def _captured(self, stage: Stage) -> None:
         configure_torch()
-        self.compiled_model = torch.compile(
+        self.compiled_model = torch_compile(
             self.model, backend=self.backend, dynamic=self.options.dynamic, fullgraph=self.options.fallback == "raise"
         )
         before = dict(dynamo_counters["graph_break"])

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ortlab._compat.torch import COMPILE_ISOLATION, DYNAMO_CONTROL_FLOW, global_state
+from ortlab._compat.torch import COMPILE_ISOLATION, DYNAMO_CONTROL_FLOW, global_state, maybe_mark_dynamic, torch_compile
 from ortlab.artifacts import FolderSink
 from ortlab.capture.aot import graph_device, rewrite_sdpa, trace
 from ortlab.capture.padding import (EmbeddingSparsity, check_embedding_sparsity, embedding_sparsity_off,
@@ -169,7 +169,7 @@ class OrtlabBackend:
         options = dataclasses.replace(self.options, dynamic=dynamic, **changes)
         backend = OrtlabBackend(options, self.debug, self.report, self.observer, self.sinks, purpose=purpose)
         backend._handed = self._handed  # released with this backend
-        return torch.compile(module, backend=backend, dynamic=dynamic, fullgraph=options.fallback == "raise",
+        return torch_compile(module, backend=backend, dynamic=dynamic, fullgraph=options.fallback == "raise",
                              **COMPILE_ISOLATION)
 
     def _with_packed_rows(self, gm: torch.fx.GraphModule, found: EmbeddingSparsity) -> Callable:
@@ -199,7 +199,7 @@ class OrtlabBackend:
                 if state["packed"] is None:
                     state["packed"] = self._nested(traced(found.graph), f"embedding sparsity: {of} on the kept rows",
                                                    self.options.dynamic, embedding_sparsity=False)
-                torch._dynamo.maybe_mark_dynamic(keep, 0)
+                maybe_mark_dynamic(keep, 0)
                 record.count(rows, keep.numel())
                 return state["packed"](*args, keep)
             if state["dense"] is None:
@@ -274,7 +274,9 @@ class OrtlabBackend:
             warn_fallback(fb)
             self.report.captures.append(capture)
             return gm.forward
-        padding = find_embedding_sparsity(gm) if self.options.embedding_sparsity else embedding_sparsity_off(gm)
+        # A graph ortlab made itself (purpose) was rewritten already, or is a tail: no hint for it.
+        padding = (find_embedding_sparsity(gm) if self.options.embedding_sparsity
+                   else None if self.purpose else embedding_sparsity_off(gm))
         if padding is not None:
             capture.padding = padding.record if isinstance(padding, EmbeddingSparsity) else padding
         if isinstance(padding, EmbeddingSparsity):
