@@ -120,3 +120,29 @@ def test_one_op_signature_per_onnx_op_exports_the_same_graphs(monkeypatch):
     assert ("", "Gemm", 13) in compat._SIGNATURES or ("", "MatMul", 13) in compat._SIGNATURES, compat._SIGNATURES
     assert cached == exported(False) and len(cached) == 2
     assert ir.schemas.OpSignature.from_op_schema == before
+
+
+class OneMinusMask(nn.Module):
+    """XLNet's ``1.0 - attention_mask`` on an integer mask: rsub's decomposition leaves
+    ``aten.sub.Tensor(1.0, mask_as_float)``, a node torch.onnx's promotion pass cannot run again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return (self.lin(x) * (1.0 - mask)[..., None] + (2 - mask)[..., None]).sum()
+
+
+def test_a_number_minus_a_tensor_runs_in_onnxruntime():
+    torch.manual_seed(0)
+    model = OneMinusMask()
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    x, mask = torch.randn(3, 4, 6), torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    out, ref = om(x, mask), model(x, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    out.backward()
+    ref.backward()
+    for p, q in zip(om.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    assert not om.report.fallbacks, om.report.fallbacks

@@ -184,6 +184,36 @@ def _resolve_inferred_sizes(gm: torch.fx.GraphModule) -> None:
             node.update_arg(1, shape)
 
 
+def _number_first_operands(gm: torch.fx.GraphModule) -> None:
+    """Rewrite ``aten.sub.Tensor(1.0, x)`` as ``aten.add.Tensor(aten.neg(x), 1.0)`` (the same float
+    result: IEEE subtraction adds the negation), and ``add``/``mul`` with a number first with the
+    number second.
+
+    Decompositions can leave a Python number where ``sub.Tensor`` takes its ``self`` tensor
+    (XLNet's ``1.0 - attention_mask``, from ``rsub``'s decomposition). Such a node cannot run
+    again: torch.onnx's type promotion pass runs it with promoted arguments and the dispatcher
+    finds no overload for a float ``self``, so the whole graph ran in PyTorch.
+    """
+    aten = torch.ops.aten
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or len(node.args) != 2 or not isinstance(node.args[0], (int, float)) \
+                or isinstance(node.args[0], bool) or not isinstance(node.args[1], torch.fx.Node):
+            continue
+        number, tensor = node.args
+        if node.kwargs:  # alpha: left as it is
+            continue
+        if node.target is aten.sub.Tensor:  # torchlib has no rsub.Scalar
+            with gm.graph.inserting_before(node):
+                negated = gm.graph.call_function(aten.neg.default, (tensor,))
+            negated.meta.update(node.meta)  # its model code and module, for the views
+            val = tensor.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                negated.meta["val"] = aten.neg.default(val)  # a fake tensor computes a fake result
+            node.target, node.args = aten.add.Tensor, (negated, number)
+        elif node.target in (aten.add.Tensor, aten.mul.Tensor):
+            node.args = (tensor, number)
+
+
 def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = False) -> ExportedGraph:
     """Translate ``gm`` to ONNX.
 
@@ -203,6 +233,7 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
     """
     start = time.perf_counter()
     registry = get_registry()
+    _number_first_operands(gm)
     insert_type_promotion_nodes(gm)
     _resolve_inferred_sizes(gm)
     model = ir.Model(
