@@ -252,10 +252,6 @@ def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | Pad
         with graph.inserting_before(at):
             return graph.call_function(pack_dense, (a, keep, ids, ndim))
 
-    def varies_by_row(a: object, ndim: int) -> bool:
-        v = _val(a)
-        return v is not None and v.dim() > ndim - lead
-
     for node in list(graph.nodes):
         if node.op == "output":
             continue
