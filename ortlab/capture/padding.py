@@ -119,14 +119,20 @@ def _val(node: object) -> torch.Tensor | None:
     return v if isinstance(v, torch.Tensor) else None
 
 
-def _is_rowwise_embedding(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
+def _embedding_args(node: torch.fx.Node) -> dict[str, object]:
+    """``F.embedding``'s arguments of ``node`` by name (empty when they do not bind)."""
+    try:
+        return dict(_EMBEDDING.bind(*node.args, **node.kwargs).arguments)
+    except TypeError:
+        return {}
+
+
+def _padding_embedding(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
+    """``(ids, padding_idx)`` of an ``F.embedding`` node with a padding index, else None."""
     if node.op != "call_function" or node.target is not F.embedding:
         return None
-    try:
-        bound = _EMBEDDING.bind(*node.args, **node.kwargs)
-    except TypeError:
-        return None
-    p, ids = bound.arguments.get("padding_idx"), bound.arguments["input"]
+    bound = _embedding_args(node)
+    p, ids = bound.get("padding_idx"), bound.get("input")
     if not isinstance(p, int) or not isinstance(ids, torch.fx.Node):
         return None
     return ids, p
@@ -175,7 +181,7 @@ class _Traced(torch.nn.Module):
 def embedding_sparsity_off(gm: torch.fx.GraphModule) -> PaddingRecord | None:
     """The report's line for a graph embedding sparsity could serve while it is off (None if none)."""
     for node in gm.graph.nodes:
-        found = _is_rowwise_embedding(node)
+        found = _padding_embedding(node)
         if found is not None and found[0].op == "placeholder":
             return PaddingRecord(False, f"off (embedding_sparsity=False); on, the row-wise layers would run only on "
                                         f"the tokens that are not padding_idx {found[1]}",
@@ -189,7 +195,7 @@ def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | Pad
     Returns the rewritten graph, a ``PaddingRecord`` saying why an embedding with a
     ``padding_idx`` could not be used, or None when the graph has no such embedding.
     """
-    seeds = [(n, *found) for n in gm.graph.nodes if (found := _is_rowwise_embedding(n)) is not None]
+    seeds = [(n, *found) for n in gm.graph.nodes if (found := _padding_embedding(n)) is not None]
     if not seeds:
         return None
     emb, ids, padding_idx = seeds[0]
@@ -199,11 +205,9 @@ def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | Pad
     ids_val = _val(ids)
     if ids_val is None or ids_val.dim() < 1:
         return PaddingRecord(False, "the token ids' sizes are unknown", **where)
-    weight = _EMBEDDING.bind(*emb.args, **emb.kwargs).arguments["weight"]
-    for other in gm.graph.nodes:
-        if (other is not emb and other.op == "call_function" and other.target is F.embedding
-                and _EMBEDDING.bind(*other.args, **other.kwargs).arguments["weight"] is weight
-                and _EMBEDDING.bind(*other.args, **other.kwargs).arguments["input"] is not ids):
+    weight = _embedding_args(emb)["weight"]
+    for other in gm.graph.find_nodes(op="call_function", target=F.embedding):
+        if other is not emb and (a := _embedding_args(other)).get("weight") is weight and a.get("input") is not ids:
             # Tensors are matched to the tokens by their leading sizes: a decoder of as many tokens
             # would have its rows dropped by the encoder's padding.
             return PaddingRecord(False, "the embedding also looks up a second token sequence (an encoder-decoder's "

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 import operator
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
