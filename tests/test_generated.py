@@ -60,11 +60,12 @@ class Spec:
     seed: int
     bad_index: bool
     training: bool
+    symbolic: bool
 
     def __str__(self) -> str:
         return (f"{self.family} {self.dtype} batch={self.batch} width={self.width} length={self.length} "
                 f"blocks={self.blocks} heads={self.heads} bad_index={self.bad_index} training={self.training} "
-                f"seed={self.seed}")
+                f"symbolic={self.symbolic} seed={self.seed}")
 
 
 @st.composite
@@ -83,6 +84,7 @@ def specs(draw: st.DrawFn) -> Spec:
         seed=draw(st.integers(0, 2**16)),
         bad_index=family == "tokens" and draw(st.booleans()) and draw(st.booleans()),
         training=draw(st.sampled_from((True, True, False))),
+        symbolic=draw(st.booleans()),
     )
 
 
@@ -299,6 +301,11 @@ def _reference(model: nn.Module, x: torch.Tensor, seed: int) -> tuple[tuple, dic
 
 def check_example(spec: Spec) -> None:
     dtype = torch.float32 if spec.dtype == "float32" else torch.float64
+    # Each example starts from a fresh Dynamo, as a user's process does: Dynamo keeps what it saw of a
+    # code object's sizes across modules (every Generated shares one forward), so without this an
+    # example's sizes were static or symbolic by the examples before it, a failing example did not
+    # fail alone, and nearly every capture was symbolic (2x the tracing time). ``symbolic`` draws it.
+    torch._dynamo.reset()
     torch.manual_seed(spec.seed)
     model = Generated(spec).to(dtype).train(spec.training)
     eager = copy.deepcopy(model)
@@ -309,7 +316,7 @@ def check_example(spec: Spec) -> None:
     except Exception as e:  # noqa: BLE001
         expected_error = e
     # float64 with static sizes: see _tol and the README's known limit for symbolic sizes.
-    om = ortlab.ORTModule(model, **({"dynamic": False} if dtype == torch.float64 else {}))
+    om = ortlab.ORTModule(model, dynamic=False if dtype == torch.float64 else (True if spec.symbolic else None))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
@@ -381,7 +388,8 @@ test_generated_models_match_eager_or_raise_what_eager_raises = generated_test(0)
 
 def test_the_generator_covers_every_layer_and_edge():
     """The two halves' fixed-seed runs draw every block, head, dtype and an empty batch (so the suite checks them)."""
-    seen: dict[str, set] = {"blocks": set(), "heads": set(), "dtype": set(), "batch": set(), "bad": set()}
+    seen: dict[str, set] = {"blocks": set(), "heads": set(), "dtype": set(), "batch": set(), "bad": set(),
+                            "symbolic": set()}
 
     def collect(spec: Spec) -> None:
         seen["blocks"].update(spec.blocks)
@@ -389,10 +397,13 @@ def test_the_generator_covers_every_layer_and_edge():
         seen["dtype"].add(spec.dtype)
         seen["batch"].add(spec.batch)
         seen["bad"].add(spec.bad_index)
+        if spec.dtype == "float32":
+            seen["symbolic"].update(spec.blocks if spec.symbolic else ())
 
     for half in (0, 1):
         _drawing(half, collect)()
     assert seen["blocks"] == {b for blocks in BLOCKS.values() for b in blocks}
     assert seen["heads"] == set(HEADS) and seen["dtype"] == {"float32", "float64"}
     assert 0 in seen["batch"] and True in seen["bad"]
+    assert seen["symbolic"] == seen["blocks"], f"never captured with symbolic sizes: {seen['blocks'] - seen['symbolic']}"
     assert math.isfinite(EXAMPLES)
