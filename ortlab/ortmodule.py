@@ -30,6 +30,7 @@ from ortlab._compat.torch import (
     TorchDynamoException,
     ddp_active,
     disable_donated_buffers,
+    forget_sizes_seen,
     ignore_once_only_logging,
     dynamo_counters,
     torch_compile,
@@ -541,6 +542,8 @@ class ORTModule(nn.Module):
                         original.copy_(copy)
             return out
         first = self._ortlab_calls == 0
+        if first and self._ortlab_options.dynamic is None:
+            forget_sizes_seen(self._ortlab_module)  # see Note [A new module's first capture uses its own sizes]
         # Graph breaks and skipped frames happen only when Dynamo converts a frame, which
         # its frame counter tells; the per-call cost is two int reads (see _record_dynamo).
         frames = dynamo_counters["frames"]

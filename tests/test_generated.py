@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import ortlab

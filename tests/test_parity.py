@@ -319,6 +319,30 @@ def test_dynamic_batch_and_sequence_does_not_recapture():
     assert_ran_in_ort(om)
 
 
+def _symbolic_inputs(om: ortlab.ORTModule) -> list[str]:
+    gm = om.report.captures[0].graphs[0].graph_module
+    return [n.name for n in gm.graph.nodes if n.op == "placeholder" and (
+        isinstance(v := n.meta.get("val"), torch.SymInt)
+        or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)))]
+
+
+def test_a_new_module_captures_its_own_sizes_first():
+    """Note [A new module's first capture uses its own sizes]: Dynamo remembered the batch size of an
+    earlier module of the same class, and a new one called with another size was captured with
+    symbolic sizes from its first call (twice the capture time); each first capture is static."""
+    for batch in (2, 3, 5):
+        om = ortlab.ORTModule(TinyMLP())
+        x, y = make_batch("tiny", batch, gen(batch))
+        torch.nn.functional.cross_entropy(om(x), y).backward()
+        assert len(om.report.captures) == 1 and not _symbolic_inputs(om), (batch, _symbolic_inputs(om))
+    # and a new size still re-captures once with symbolic sizes, reused after
+    for batch in (4, 6):
+        x, y = make_batch("tiny", batch, gen(batch))
+        torch.nn.functional.cross_entropy(om(x), y).backward()
+    assert len(om.report.captures) == 2
+    assert_ran_in_ort(om)
+
+
 def test_empty_batches_run_in_onnxruntime_and_match():
     """A zero-element input has data_ptr() == 0, which onnxruntime refused ("data_ptr was false")."""
     eager, om = twin(TinyMLP())

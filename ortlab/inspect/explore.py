@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ortlab._compat.torch import dynamo_counters, eager_backward_lowering, torch_compile
+from ortlab._compat.torch import dynamo_counters, eager_backward_lowering, forget_sizes_seen, torch_compile
 from ortlab.artifacts import FolderSink
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import OrtlabError, UnsupportedInputError, first_line
@@ -194,6 +194,8 @@ class _Pipeline:
 
     def _captured(self, stage: Stage) -> None:
         configure_torch()
+        if self.options.dynamic is None:  # the sizes an ORTModule's first capture would see
+            forget_sizes_seen(self.model)
         self.compiled_model = torch_compile(
             self.model, backend=self.backend, dynamic=self.options.dynamic, fullgraph=self.options.fallback == "raise"
         )
