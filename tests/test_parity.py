@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -320,10 +321,11 @@ def test_dynamic_batch_and_sequence_does_not_recapture():
 
 
 def _symbolic_inputs(om: ortlab.ORTModule) -> list[str]:
-    gm = om.report.captures[0].graphs[0].graph_module
-    return [n.name for n in gm.graph.nodes if n.op == "placeholder" and (
-        isinstance(v := n.meta.get("val"), torch.SymInt)
-        or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)))]
+    """The inputs with a symbolic size (or symbolic themselves) of every graph the module captured."""
+    return [n.name for c in om.report.captures for g in c.graphs if g.graph_module is not None
+            for n in g.graph_module.graph.nodes if n.op == "placeholder" and (
+                isinstance(v := n.meta.get("val"), torch.SymInt)
+                or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape)))]
 
 
 def test_a_new_module_captures_its_own_sizes_first():
@@ -341,6 +343,29 @@ def test_a_new_module_captures_its_own_sizes_first():
         torch.nn.functional.cross_entropy(om(x), y).backward()
     assert len(om.report.captures) == 2
     assert_ran_in_ort(om)
+
+
+class _Broken(nn.Module):
+    """A graph break in forward: Dynamo resumes in a frame of its own, which keeps sizes too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_a_new_module_with_a_graph_break_captures_its_own_sizes_first():
+    for batch in (2, 3):
+        om = ortlab.ORTModule(_Broken())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ortlab.FallbackWarning)  # warned once per process, tested elsewhere
+            om(randn(batch, batch, 8)).sum().backward()
+        assert om.report.graph_breaks and sum(len(c.graphs) for c in om.report.captures) >= 2
+        assert not _symbolic_inputs(om), (batch, _symbolic_inputs(om))
 
 
 def test_empty_batches_run_in_onnxruntime_and_match():

@@ -271,7 +271,9 @@ def forget_sizes_seen(module: Any) -> None:
     step instead of 4.0 and 3.7 s, with the same step time after it. ORTModule calls this
     before its first capture; a module of the same class captured earlier keeps its compiled
     graphs, and a new size of it is judged against the sizes of the module captured last.
-    Without the code state (another torch), nothing is cleared.
+    The frames Dynamo resumes after a graph break in ``forward`` (``torch_dynamo_resume_in_
+    forward_at_<line>``, code of their own in the same file) keep sizes too, and are cleared
+    with it. Without the code state (another torch), nothing is cleared.
     """
     forward = getattr(type(module), "forward", None)
     code = getattr(forward, "__code__", None)
@@ -279,7 +281,10 @@ def forget_sizes_seen(module: Any) -> None:
         from torch._dynamo import pgo
 
         state = pgo.get_code_state()
-        state.pop(pgo.CodeId.make(code, getattr(forward, "__closure__", None)), None)
+        own = pgo.CodeId.make(code, getattr(forward, "__closure__", None))
+        resumed = f"torch_dynamo_resume_in_{code.co_name}_at_"
+        for key in [k for k in state if k == own or (k.file_hash == own.file_hash and resumed in k.name)]:
+            del state[key]
     except Exception:  # noqa: BLE001 - another torch: Dynamo's own behaviour
         return
 
