@@ -66,19 +66,11 @@ def main() -> None:
 
     import onnxruntime
     import torch
+    from train_step import _cpu_model  # benchmarks/ is the script's folder
+
     print(f"command: python benchmarks/first_step_again.py ({time.strftime('%Y-%m-%d')}); "
-          f"CPU: {_cpu()}, {os.cpu_count()} cores; torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
+          f"CPU: {_cpu_model()}, {os.cpu_count()} cores; torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, "
           f"Python {platform.python_version()}")
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        import platform
-
-        return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":
