@@ -70,6 +70,7 @@ _OWN = (
     "_ortlab_device_of",
     "_ortlab_seen",
     "_ortlab_release",
+    "_ortlab_fresh",
 )
 # Note [Process-wide torch settings]
 # Dynamo reads these when it compiles, which can happen on any call; patching them
@@ -271,6 +272,7 @@ class ORTModule(nn.Module):
         opts = Options.from_kwargs(options)
         debug = debug_options if debug_options is not None else DebugOptions()
         object.__setattr__(self, "_ortlab_module", module)
+        object.__setattr__(self, "_ortlab_fresh", True)  # no capture yet: see _ortlab_call
         object.__setattr__(self, "_ortlab_options", opts)
         object.__setattr__(self, "_ortlab_debug", debug)
         object.__setattr__(self, "_ortlab_observer", None)
@@ -447,6 +449,7 @@ class ORTModule(nn.Module):
         self.__dict__.setdefault("_ortlab_observer", None)
         self.__dict__.setdefault("_ortlab_watcher", None)
         self.__dict__.setdefault("_ortlab_sinks", ())
+        self.__dict__["_ortlab_fresh"] = True
         configure_torch()
         self._ortlab_reset()
 
@@ -542,8 +545,10 @@ class ORTModule(nn.Module):
                         original.copy_(copy)
             return out
         first = self._ortlab_calls == 0
-        if first and self._ortlab_options.dynamic is None:
-            forget_sizes_seen(self._ortlab_module)  # see Note [A new module's first capture uses its own sizes]
+        if self._ortlab_fresh:  # a new module's first capture (not a reconfigure's: its sizes were this module's)
+            object.__setattr__(self, "_ortlab_fresh", False)
+            if self._ortlab_options.dynamic is None:
+                forget_sizes_seen(self._ortlab_module)  # see Note [A new module's first capture uses its own sizes]
         # Graph breaks and skipped frames happen only when Dynamo converts a frame, which
         # its frame counter tells; the per-call cost is two int reads (see _record_dynamo).
         frames = dynamo_counters["frames"]

@@ -343,6 +343,12 @@ def test_a_new_module_captures_its_own_sizes_first():
         torch.nn.functional.cross_entropy(om(x), y).backward()
     assert len(om.report.captures) == 2
     assert_ran_in_ort(om)
+    # A reconfigure captures again with what Dynamo saw of this module: symbolic at once, one capture.
+    om.reconfigure(recompute="auto")
+    for batch in (7, 9):
+        x, y = make_batch("tiny", batch, gen(batch))
+        torch.nn.functional.cross_entropy(om(x), y).backward()
+    assert len(om.report.captures) == 1 and _symbolic_inputs(om)
 
 
 class _Broken(nn.Module):

@@ -269,7 +269,9 @@ def forget_sizes_seen(module: Any) -> None:
     promise that the first capture uses the example's sizes: on a 2-core EPYC the 4-layer
     GPT's second and third modules (batch 6 and 8 after 4) took 7.9 and 9.0 s to their first
     step instead of 4.0 and 3.7 s, with the same step time after it. ORTModule calls this
-    before its first capture; a module of the same class captured earlier keeps its compiled
+    before a new module's first capture, not after ``reconfigure`` (what Dynamo saw then was
+    this module's own sizes: a module whose sizes vary captures symbolic again at once, one
+    capture instead of two); a module of the same class captured earlier keeps its compiled
     graphs, and a new size of it is judged against the sizes of the module captured last.
     The frames Dynamo resumes after a graph break in ``forward`` (``torch_dynamo_resume_in_
     forward_at_<line>``, code of their own in the same file) keep sizes too, and are cleared
