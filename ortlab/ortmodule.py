@@ -545,7 +545,7 @@ class ORTModule(nn.Module):
                         original.copy_(copy)
             return out
         first = self._ortlab_calls == 0
-        if self._ortlab_fresh:  # a new module's first capture (not a reconfigure's: its sizes were this module's)
+        if first and self._ortlab_fresh:  # a new module's first capture (not a reconfigure's: its sizes were this module's)
             object.__setattr__(self, "_ortlab_fresh", False)
             if self._ortlab_options.dynamic is None:
                 forget_sizes_seen(self._ortlab_module)  # see Note [A new module's first capture uses its own sizes]
