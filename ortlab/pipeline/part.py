@@ -109,15 +109,18 @@ class PartBuilder:
         self.providers = choose_providers(ctx.device.type, ctx.options, bf16=_computes_in_bf16(nodes))
         record.providers = self._first_choice = f"{', '.join(self.providers.providers)} ({self.providers.reason})"
         self._decided: dict[str, str] = {}  # part -> provider(s) a measurement chose, and how
+        self._measured: set[str] = set()  # the parts whose providers a race measured
         # structure_key -> (the providers its race chose, the part it raced on, the session that runs them):
         # Note [Parts that are the same graph]
         self._raced: dict[str, tuple[tuple[str, ...], str, object]] = {}
         self._structures: set[str] = set()  # the structure_key of every part built so far
 
-    def _decide(self, part: str, chosen: tuple[str, ...], how: str) -> None:
+    def _decide(self, part: str, chosen: tuple[str, ...], how: str, measured: bool = True) -> None:
         """Record that ``part`` runs on ``chosen``: the report's providers line says what runs, not what was
         built first (a race that swaps in OpenVINO left the line naming the CPU provider)."""
         self._decided[part] = f"{'+'.join(chosen)} {how}"
+        if measured:
+            self._measured.add(part)
         outcomes = sorted(set(self._decided.values()))
         if len(outcomes) == 1:
             now = outcomes[0]
@@ -126,13 +129,15 @@ class PartBuilder:
             for p, d in sorted(self._decided.items(), key=lambda item: _natural(item[0])):
                 groups.setdefault(d, []).append(self._label(p))
             now = "; ".join(f"{d}: {_some(parts)}" for d, parts in groups.items())
-        self.record.providers = f"{now}; before measuring: {self._first_choice}"
+        # The first choice said which providers would be measured; where none was (small graphs), it
+        # would say what did not happen.
+        self.record.providers = f"{now}; before measuring: {self._first_choice}" if self._measured else now
 
     def reset(self) -> None:
         """Forget the parts of a failed attempt (the graph is being split again)."""
         record = self.record
         record.onnx_ops, record.ort_partitions, record.parts = {}, 0, []
-        record.providers, self._decided, self._structures = self._first_choice, {}, set()
+        record.providers, self._decided, self._structures, self._measured = self._first_choice, {}, set(), set()
 
     def __call__(self, gm: torch.fx.GraphModule, part: str) -> Callable[..., list]:
         """The callable of one part: its runner, or with an observer, the runner telling it of each call.
@@ -230,6 +235,8 @@ class PartBuilder:
                     f"{self._label(part)} providers: {', '.join(c[0] for c in skipped)} not measured: a graph this "
                     "small runs on one thread, where a plugin provider's dispatch costs more than the graph")
             if not candidates:
+                self._decide(part, source.providers, f"(kept without measuring {', '.join(c[0] for c in skipped)}: "
+                             "a graph this small runs on one thread)", measured=False)
                 return
         sources = [dataclasses.replace(source, providers=c) for c in candidates]
         where, record, candidates = self._label(part), self.record, self._all_candidates()

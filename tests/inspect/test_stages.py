@@ -159,6 +159,14 @@ def test_step_trains_through_onnxruntime_and_restores_grads(stepped):
     assert set(step.artifacts) == {"g0.forward", "g0.backward"}
     assert [p.grad for p in model.parameters()] == grads_before  # .grad put back as it was
     assert len(lab.report.captures) == 1  # the step reused the captured graph (no re-capture)
+    # Which providers run each graph, and why (measured by the race where there were candidates).
+    records = {g.label: g for c in lab.report.captures for g in c.graphs}
+    assert set(records) == {"g0.forward", "g0.backward"}
+    assert all(s[f"{label} providers"] == g.providers and "ExecutionProvider" in g.providers
+               for label, g in records.items()), s
+    for label, g in records.items():
+        assert f"{label} runs on {g.providers}." in step.notes
+        assert all(n in step.notes for n in g.notes if " providers: " in n)
 
 
 def test_save_and_reload_round_trip(stepped, tmp_path):

@@ -336,6 +336,10 @@ def test_small_graphs_are_not_measured_against_plugin_providers():
     notes = [n for c in om.report.captures for g in c.graphs for n in g.notes if "providers:" in n]
     assert notes and all("OpenVINOExecutionProvider not measured: a graph this small" in n for n in notes), notes
     assert all(r.session.get_providers()[0] == "CPUExecutionProvider" for r in _runners(om))
+    # The providers line says what happened, not the plan to measure that was not carried out.
+    lines = [g.providers for c in om.report.captures for g in c.graphs]
+    assert lines and all(line == "CPUExecutionProvider (kept without measuring OpenVINOExecutionProvider: a graph this "
+                         "small runs on one thread)" for line in lines), lines
 
 
 def test_candidates_build_on_the_builder_thread_before_the_first_call(monkeypatch):
