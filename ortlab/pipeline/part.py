@@ -394,7 +394,8 @@ class PartBuilder:
                            cached.output_sources, ctx.device, built.source, cached.guards)
         runner.provenance = cached.provenance
         if decision is not None:
-            self._decide(part, decision.chosen, "(as measured in an earlier process, stored with the cache entry)")
+            self._decide(part, decision.chosen, "(as measured in an earlier process, stored with the cache entry)",
+                         measured=False)
             self.record.notes.append(f"{self._label(part)} providers: {'+'.join(decision.chosen)}, as measured "
                                      f"in an earlier process and stored with the cache entry ({decision.described})")
         else:

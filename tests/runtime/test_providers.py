@@ -260,7 +260,8 @@ def test_a_cached_start_uses_the_stored_decision_without_measuring(tmp_path, mon
     assert all(p.runner.race is None for c in again.report.captures for g in c.graphs for p in g.parts)
     chosen = stored.split("providers: ", 1)[1].split(",", 1)[0]
     assert chosen in ("CPUExecutionProvider", "AzureExecutionProvider")
-    assert again.report.captures[0].graphs[0].providers.startswith(f"{chosen} (as measured in an earlier process")
+    line = again.report.captures[0].graphs[0].providers
+    assert line == f"{chosen} (as measured in an earlier process, stored with the cache entry)", line
 
     # Other candidates installed since: the stored decision is not used, the race runs again.
     monkeypatch.setattr(session_module, "cpu_candidates", lambda: (["CPUExecutionProvider"], {}))
