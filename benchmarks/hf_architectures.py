@@ -14,11 +14,13 @@ it is printed as such with both distances.
 
     python benchmarks/hf_architectures.py              # every architecture (~6 minutes on 2 cores)
     python benchmarks/hf_architectures.py swin whisper # some
+    python benchmarks/hf_architectures.py --providers OpenVINOExecutionProvider  # every part on OpenVINO
 """
 
 from __future__ import annotations
 
 import copy
+from collections import Counter
 import sys
 import time
 import traceback
@@ -117,20 +119,25 @@ def train_beside_eager(om: ortlab.ORTModule, eager: torch.nn.Module, batch_fn, s
     return worst, gaps, first_batch
 
 
-def compare(name: str, model: torch.nn.Module, batch_fn, steps: int = 2) -> str:  # noqa: ANN001
+def compare(name: str, model: torch.nn.Module, batch_fn, steps: int = 2, **options: object) -> str:  # noqa: ANN001
     start = time.perf_counter()
     model.train()
     original = copy.deepcopy(model)
     eager = copy.deepcopy(model)
-    om = ortlab.ORTModule(model)
+    om = ortlab.ORTModule(model, **options)
     worst, gaps, first_batch = train_beside_eager(om, eager, batch_fn, steps)
     fallbacks = sorted({f"{f.kind or f.scope}: {f.op or f.reason.splitlines()[0][:60]}" for f in om.report.fallbacks})
     verdict = "OK"
     if gaps:
         referee = _float64_referee(original, first_batch)
         verdict = f"gradients beyond rtol/atol ({gaps[0]}; {len(gaps)} in all), {referee}"
+    # Which execution provider each onnxruntime part ran on (the race's winner: OpenVINO's plugin where
+    # it is installed and faster, else the CPU provider).
+    ran = Counter(p.runner.session.get_providers()[0].removesuffix("ExecutionProvider")
+                  for c in om.report.captures for g in c.graphs for p in g.parts if p.runner.session is not None)
     return (f"{name:<14} {verdict}; largest gradient difference {worst:.1e}; {time.perf_counter() - start:.1f} s; "
-            f"captures {len(om.report.captures)}; in PyTorch: {', '.join(fallbacks) or 'nothing'}")
+            f"captures {len(om.report.captures)}; parts on {', '.join(f'{k} {n}' for k, n in sorted(ran.items()))}; "
+            f"in PyTorch: {', '.join(fallbacks) or 'nothing'}")
 
 
 def lm(g: torch.Generator, n: int = 2, t: int = 12) -> dict:
@@ -270,13 +277,20 @@ CASES = {
 
 def main() -> None:
     warnings.simplefilter("ignore")
-    names = sys.argv[1:] or list(CASES)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, ortlab {ortlab.__version__}")
+    args = sys.argv[1:]
+    options: dict = {}
+    if "--providers" in args:  # e.g. --providers OpenVINOExecutionProvider: every part on it, small or not
+        at = args.index("--providers")
+        options["providers"] = args[at + 1].split(",")
+        del args[at:at + 2]
+    names = args or list(CASES)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, ortlab {ortlab.__version__}"
+          + (f"; providers pinned to {options['providers']}" if options else ""))
     for name in names:
         try:
             torch.manual_seed(0)
             model, batch = CASES[name]()
-            print(compare(name, model, batch), flush=True)
+            print(compare(name, model, batch, **options), flush=True)
         except Exception as e:  # noqa: BLE001 - report every architecture
             print(f"{name:<14} FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
             traceback.print_exc()

@@ -1,5 +1,5 @@
-"""The model OpenVINO's CPU plugin is given: MatMuls whose layout its GEMM runs slowly, split (torch-free:
-the on-device runtime builds sessions without PyTorch).
+"""The model OpenVINO's CPU plugin is given: MatMuls whose layout its GEMM runs slowly, split, and scatters
+of nothing, which it refuses, dropped (torch-free: the on-device runtime builds sessions without PyTorch).
 
 Note [Wide MatMuls for OpenVINO]
 OpenVINO's CPU plugin (the one in ``onnxruntime-ep-openvino`` 1.8.1, and openvino 2026.4 alone)
@@ -28,6 +28,15 @@ against the CPU provider, which runs the unsplit model.
 
 This is ortlab's own pass, not an onnxscript rewrite rule: it depends on a static shape and on
 which provider will run the model, and applies to the plugin's model only.
+
+Note [Scatters of nothing for OpenVINO]
+A ``ScatterND`` whose indices hold no index (shape ``[0, k]``: no update) returns its data as it
+is. The exporter writes one for each ``slice_scatter`` of an empty slice: Phi-3's backward has
+four, where its rotary embedding covers the whole head and ``torch.cat`` joins an empty
+pass-through part. OpenVINO's plugin (1.8.1) refuses the whole graph ("Input names mismatch
+between OpenVINO and ONNX. OpenVINO input has no ONNX binding"), so the race dropped it and
+a graph pinned to it ran in PyTorch. Its model takes the data instead (an ``Identity`` only
+where the scatter's result is a graph output); the other providers run the graph as exported.
 """
 
 from __future__ import annotations
@@ -51,10 +60,56 @@ def _slices(width: int) -> list[int] | None:
     return [SLICE] * (width // SLICE) + ([width % SLICE] if width % SLICE else [])
 
 
-def prepare_for_openvino(model: bytes) -> bytes:
-    """``model`` with its slow-layout MatMuls split (Note [Wide MatMuls for OpenVINO]).
+def _empty_index_sets(graph: onnx.GraphProto, shapes: dict[str, list]) -> set[str]:
+    """The names of constant or statically shaped ``ScatterND`` indices that hold no index."""
+    constant = {i.name: list(i.dims) for i in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant" and node.output and node.attribute and node.attribute[0].name == "value":
+            constant[node.output[0]] = list(node.attribute[0].t.dims)
+    empty = set()
+    for node in graph.node:
+        if node.op_type != "ScatterND" or node.domain not in ("", "ai.onnx") or len(node.input) < 2:
+            continue
+        dims = constant.get(node.input[1], shapes.get(node.input[1]))
+        if dims and any(d == 0 for d in dims[:-1]):  # no update: the leading dimensions count the updates
+            empty.add(node.input[1])
+    return empty
 
-    Returns ``model`` itself (the same object) when nothing is split or it was prepared before.
+
+def _drop_empty_scatters(graph: onnx.GraphProto, shapes: dict[str, list]) -> int:
+    """Note [Scatters of nothing for OpenVINO]: each ScatterND without an index gives way to its data;
+    returns how many did."""
+    empty = _empty_index_sets(graph, shapes)
+    if not empty or any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
+                        for n in graph.node for a in n.attribute):
+        return 0  # (a subgraph may read a dropped result by name from the outer scope)
+    outputs = {o.name for o in graph.output}
+    alias: dict[str, str] = {}
+    nodes, dropped = [], 0
+    for node in graph.node:
+        inputs = [alias.get(i, i) for i in node.input]
+        if node.op_type == "ScatterND" and node.domain in ("", "ai.onnx") and inputs[1] in empty:
+            dropped += 1
+            if node.output[0] in outputs:
+                made = helper.make_node("Identity", [inputs[0]], [node.output[0]], name=node.name)
+                made.metadata_props.extend(node.metadata_props)
+                nodes.append(made)
+            else:
+                alias[node.output[0]] = inputs[0]
+            continue
+        del node.input[:]
+        node.input.extend(inputs)
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return dropped
+
+
+def prepare_for_openvino(model: bytes) -> bytes:
+    """``model`` with its slow-layout MatMuls split (Note [Wide MatMuls for OpenVINO]) and its scatters of
+    nothing dropped (Note [Scatters of nothing for OpenVINO]).
+
+    Returns ``model`` itself (the same object) when nothing changes or it was prepared before.
     """
     if MARK.encode() in model:
         return model
@@ -64,6 +119,7 @@ def prepare_for_openvino(model: bytes) -> bytes:
     for v in [*graph.input, *graph.value_info, *graph.output]:
         dims = v.type.tensor_type.shape.dim
         shapes[v.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    scatters = _drop_empty_scatters(graph, shapes)
     constant = {i.name for i in graph.initializer}
     producer = {}
     for node in graph.node:
@@ -91,9 +147,11 @@ def prepare_for_openvino(model: bytes) -> bytes:
         for m in made:
             m.metadata_props.extend(node.metadata_props)  # provenance (module, source line) stays with them
         nodes.extend(made)
-    if not split:
+    if not split and not scatters:
         return model
     del graph.node[:]
     graph.node.extend(nodes)
-    proto.metadata_props.append(onnx.StringStringEntryProto(key=MARK, value=f"{split} MatMul(s) split"))
+    done = [f"{split} MatMul(s) split"] if split else []
+    done += [f"{scatters} ScatterND(s) without an index dropped"] if scatters else []
+    proto.metadata_props.append(onnx.StringStringEntryProto(key=MARK, value=", ".join(done)))
     return proto.SerializeToString()

@@ -1,5 +1,6 @@
 """Note [Wide MatMuls for OpenVINO]: the model OpenVINO is given splits the MatMuls its GEMM runs slowly,
-computes the same values, and is what the session (and the cache) hold."""
+computes the same values, and is what the session (and the cache) hold; Note [Scatters of nothing for
+OpenVINO]: it has no ScatterND without an index, which the plugin refuses."""
 
 from __future__ import annotations
 
@@ -82,3 +83,75 @@ def test_a_wide_feed_forward_trains_on_openvino_like_eager():
     assert backward.providers.startswith("OpenVINOExecutionProvider")
     held = backward.parts[0].runner.session_source.model
     assert isinstance(held, bytes) and MARK.encode() in held  # the session holds the prepared model
+
+
+def _scatter_model(indices_shape: tuple[int, ...], *, result_is_output: bool) -> bytes:
+    """``ScatterND(data, indices, updates)`` with constant ``indices`` of ``indices_shape``, then a Relu
+    (or the scatter's result as the graph output itself)."""
+    q = int(np.prod(indices_shape[:-1]))
+    indices = np.zeros(indices_shape, np.int64)
+    updates_shape = [*indices_shape[:-1], *([4, 3][indices_shape[-1]:])]
+    nodes = [helper.make_node("ScatterND", ["data", "indices", "updates"], ["scattered"], name="node_scatter")]
+    nodes[0].metadata_props.append(onnx.StringStringEntryProto(key="ortlab.module", value="rotary"))
+    out = "scattered"
+    if not result_is_output:
+        nodes.append(helper.make_node("Relu", ["scattered"], ["y"]))
+        out = "y"
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("data", TensorProto.FLOAT, [4, 3]),
+         helper.make_tensor_value_info("updates", TensorProto.FLOAT, updates_shape)],
+        [helper.make_tensor_value_info(out, TensorProto.FLOAT, [4, 3])],
+        initializer=[numpy_helper.from_array(indices, "indices")])
+    assert q == 0 or indices_shape[-1] < 2
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+
+
+@pytest.mark.parametrize("result_is_output", [False, True])
+def test_a_scatter_without_an_index_gives_way_to_its_data(result_is_output):
+    """Note [Scatters of nothing for OpenVINO]: the plugin refused graphs holding one."""
+    model = _scatter_model((0, 1), result_is_output=result_is_output)
+    prepared = prepare_for_openvino(model)
+    proto = onnx.load_from_string(prepared)
+    onnx.checker.check_model(proto, full_check=True)
+    ops = [n.op_type for n in proto.graph.node]
+    assert "ScatterND" not in ops and ops == (["Identity"] if result_is_output else ["Relu"])
+    assert {p.key: p.value for p in proto.metadata_props} == {MARK: "1 ScatterND(s) without an index dropped"}
+    data = np.random.default_rng(0).standard_normal((4, 3), dtype=np.float32)
+    feeds = {"data": data, "updates": np.zeros((0, 3), np.float32)}
+    np.testing.assert_array_equal(_run(prepared, feeds), _run(model, feeds))
+
+
+def test_a_scatter_that_replaces_the_whole_tensor_is_kept():
+    """Indices of shape ``[1, 0]`` hold one (empty) index: one update, of the whole tensor."""
+    model = _scatter_model((1, 0), result_is_output=False)
+    assert prepare_for_openvino(model) is model
+
+
+def test_an_empty_slice_scatter_trains_on_openvino_like_eager():
+    """Phi-3's rotary embedding covers the whole head: ``torch.cat`` joins an empty pass-through part, and the
+    backward's scatter of it made OpenVINO refuse the graph, which then ran in PyTorch."""
+    if "OpenVINOExecutionProvider" not in providers_module.plugin_eps():
+        pytest.skip(f"OpenVINO does not run here: {providers_module.plugin_notes().get('OpenVINOExecutionProvider')}")
+
+    class Rotary(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.q(x)
+            rot, kept = h[..., :16], h[..., 16:]  # kept has no columns
+            rot = torch.cat((-rot[..., 8:], rot[..., :8]), dim=-1) * 0.5 + rot
+            return torch.cat((rot, kept), dim=-1).tanh()
+
+    torch.manual_seed(0)
+    module = Rotary()
+    eager = copy.deepcopy(module)
+    om = ortlab.ORTModule(module, providers=["OpenVINOExecutionProvider"])
+    for step in range(2):
+        run_step(eager, om, (torch.randn(4, 16, generator=torch.Generator().manual_seed(step)),), seed=step)
+    assert not om.report.fallbacks, om.report.fallbacks
+    backward = om.report.captures[0].graphs[1]
+    assert backward.parts[0].runner.session.get_providers()[0] == "OpenVINOExecutionProvider"
+    assert b"ScatterND(s) without an index dropped" in backward.parts[0].runner.session_source.model
