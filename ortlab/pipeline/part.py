@@ -110,6 +110,7 @@ class PartBuilder:
         record.providers = self._first_choice = f"{', '.join(self.providers.providers)} ({self.providers.reason})"
         self._decided: dict[str, str] = {}  # part -> provider(s) a measurement chose, and how
         self._measured: set[str] = set()  # the parts whose providers a race measured
+        self._instead: dict[str, str] = {}  # part -> why it runs on the CPU provider, not the pinned plugin
         # structure_key -> (the providers its race chose, the part it raced on, the session that runs them):
         # Note [Parts that are the same graph]
         self._raced: dict[str, tuple[tuple[str, ...], str, object]] = {}
@@ -138,6 +139,7 @@ class PartBuilder:
         record = self.record
         record.onnx_ops, record.ort_partitions, record.parts = {}, 0, []
         record.providers, self._decided, self._structures, self._measured = self._first_choice, {}, set(), set()
+        self._instead = {}
 
     def __call__(self, gm: torch.fx.GraphModule, part: str) -> Callable[..., list]:
         """The callable of one part: its runner, or with an observer, the runner telling it of each call.
@@ -213,6 +215,10 @@ class PartBuilder:
         the decision is stored with the cache entry (Note [Stored provider decisions]). A part whose
         graph (``same``, its ``structure_key``) was raced before follows that race's winner; ``gm``, run in
         float64, decides a disagreement (Note [Float64 decides a disagreement])."""
+        if not self.providers.candidates and runner.session_source is not None:
+            # Nothing to measure: the line names what runs (part by part where parts differ).
+            self._decide(part, runner.session_source.providers,
+                         self._instead.get(part, f"({self.providers.reason})"), measured=False)
         if not self.providers.candidates or runner.session_source is None:
             return
         if self.ctx.options.profile:
@@ -297,6 +303,7 @@ class PartBuilder:
             # Note [OpenVINO and tensors with no elements]
             self.record.notes.append(f"{self._label(part)} providers: CPUExecutionProvider instead of the pinned "
                                      f"{providers[0]}: an input has no elements, on which it would crash the process")
+            self._instead[part] = f"(instead of the pinned {providers[0]}: an input has no elements)"
             providers = ("CPUExecutionProvider",)
 
         def build(target: str | None) -> BuiltSession:

@@ -311,6 +311,11 @@ def test_a_graph_with_an_empty_input_is_not_built_on_openvino():
     notes = [n for c in om.report.captures for g in c.graphs for n in g.notes]
     assert any("CPUExecutionProvider instead of the pinned OpenVINOExecutionProvider: an input has no elements"
                in n for n in notes), notes
+    # The graph's providers line names what runs, not the pinned provider it does not run on.
+    lines = [g.providers for c in om.report.captures for g in c.graphs]
+    assert lines[0] == "OpenVINOExecutionProvider (pinned by the providers option)", lines
+    assert lines[1] == ("CPUExecutionProvider (instead of the pinned OpenVINOExecutionProvider: an input has no "
+                        "elements)"), lines
     # A graph with a dynamic length (third capture) runs an empty input on OpenVINO without harm.
     torch.testing.assert_close(om(torch.tensor([1, 2, 3, 4, 5])), eager(torch.tensor([1, 2, 3, 4, 5])))
     (runner,) = [r for r in _runners(om) if r.input_kinds == ["tensor", "int", "tensor"]]  # (weight, length, ids)
