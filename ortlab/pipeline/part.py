@@ -118,8 +118,9 @@ class PartBuilder:
 
     def _decide(self, part: str, chosen: tuple[str, ...], how: str, measured: bool = True) -> None:
         """Record that ``part`` runs on ``chosen``: the report's providers line says what runs, not what was
-        built first (a race that swaps in OpenVINO left the line naming the CPU provider)."""
-        self._decided[part] = f"{'+'.join(chosen)} {how}"
+        built first (a race that swaps in OpenVINO left the line naming the CPU provider). ``chosen`` empty:
+        the first choice, as it was worded."""
+        self._decided[part] = f"{'+'.join(chosen)} {how}" if chosen else self._first_choice
         if measured:
             self._measured.add(part)
         outcomes = sorted(set(self._decided.values()))
@@ -217,8 +218,10 @@ class PartBuilder:
         float64, decides a disagreement (Note [Float64 decides a disagreement])."""
         if not self.providers.candidates and runner.session_source is not None:
             # Nothing to measure: the line names what runs (part by part where parts differ).
-            self._decide(part, runner.session_source.providers,
-                         self._instead.get(part, f"({self.providers.reason})"), measured=False)
+            if part in self._instead:
+                self._decide(part, ("CPUExecutionProvider",), self._instead[part], measured=False)
+            else:
+                self._decide(part, (), "", measured=False)
         if not self.providers.candidates or runner.session_source is None:
             return
         if self.ctx.options.profile:
