@@ -131,13 +131,17 @@ def compare(name: str, model: torch.nn.Module, batch_fn, steps: int = 2, **optio
     if gaps:
         referee = _float64_referee(original, first_batch)
         verdict = f"gradients beyond rtol/atol ({gaps[0]}; {len(gaps)} in all), {referee}"
-    # Which execution provider each onnxruntime part ran on (the race's winner: OpenVINO's plugin where
-    # it is installed and faster, else the CPU provider).
+    return (f"{name:<14} {verdict}; largest gradient difference {worst:.1e}; {time.perf_counter() - start:.1f} s; "
+            f"captures {len(om.report.captures)}; parts on {parts_on(om)}; "
+            f"in PyTorch: {', '.join(fallbacks) or 'nothing'}")
+
+
+def parts_on(om: ortlab.ORTModule) -> str:
+    """Which execution provider each onnxruntime part ran on (the race's winner: OpenVINO's plugin where it
+    is installed and faster, else the CPU provider), counted: ``CPU 2, OpenVINO 3``."""
     ran = Counter(p.runner.session.get_providers()[0].removesuffix("ExecutionProvider")
                   for c in om.report.captures for g in c.graphs for p in g.parts if p.runner.session is not None)
-    return (f"{name:<14} {verdict}; largest gradient difference {worst:.1e}; {time.perf_counter() - start:.1f} s; "
-            f"captures {len(om.report.captures)}; parts on {', '.join(f'{k} {n}' for k, n in sorted(ran.items()))}; "
-            f"in PyTorch: {', '.join(fallbacks) or 'nothing'}")
+    return ", ".join(f"{k} {n}" for k, n in sorted(ran.items())) or "none"
 
 
 def lm(g: torch.Generator, n: int = 2, t: int = 12) -> dict:

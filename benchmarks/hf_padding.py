@@ -13,6 +13,7 @@ check on the first padded batch), keeps every row; either way the numbers must b
 
     python benchmarks/hf_padding.py              # every text architecture (~3 minutes on 2 cores)
     python benchmarks/hf_padding.py roberta opt  # some
+    python benchmarks/hf_padding.py --providers OpenVINOExecutionProvider  # every part on OpenVINO
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch  # torch first, as users' scripts do
 import ortlab
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_architectures import CASES, V, _without_dropout, cls_eos, train_beside_eager  # noqa: E402
+from hf_architectures import CASES, V, _without_dropout, cls_eos, parts_on, train_beside_eager  # noqa: E402
 
 # The architectures of hf_architectures.py whose batches are token ids (lm, cls, cls_eos).
 TEXT = ("mistral", "qwen2", "qwen3", "phi", "phi3", "gemma", "gemma2", "falcon", "gpt_neox", "gptj", "gpt_neo", "bloom",
@@ -65,16 +66,18 @@ def padded(batch_fn):  # noqa: ANN001, ANN201
     return draw
 
 
-def compare(name: str, model: torch.nn.Module, batch_fn, steps: int = 2) -> str:  # noqa: ANN001
+def compare(name: str, model: torch.nn.Module, batch_fn, steps: int = 2, **options: object) -> str:  # noqa: ANN001
     start = time.perf_counter()
     model = _without_dropout(model).train()
     eager = copy.deepcopy(model)
-    om = ortlab.ORTModule(model, embedding_sparsity=True)
+    om = ortlab.ORTModule(model, embedding_sparsity=True, **options)
     worst, gaps, _ = train_beside_eager(om, eager, batch_fn, steps)
     records = [c.padding for c in om.report.captures if c.padding is not None and c.same_as is None]
     padding = "; ".join(_short(r) for r in records) or "no embedding with a padding_idx in a captured graph"
     verdict = "OK" if not gaps else f"DIFFERS from eager ({gaps[0]}; {len(gaps)} in all)"
-    return f"{name:<12} {verdict}; largest gradient difference {worst:.1e}; {time.perf_counter() - start:.1f} s; {padding}"
+    where = f"; parts on {parts_on(om)}" if options else ""
+    return (f"{name:<12} {verdict}; largest gradient difference {worst:.1e}; {time.perf_counter() - start:.1f} s; "
+            f"{padding}{where}")
 
 
 def _short(record: object) -> str:
@@ -86,13 +89,20 @@ def _short(record: object) -> str:
 
 def main() -> None:
     warnings.simplefilter("ignore")
-    names = sys.argv[1:] or TEXT
-    print(f"torch {torch.__version__}, ortlab {ortlab.__version__}; vocab {V}, pad_token_id 0, dropout off")
+    args = sys.argv[1:]
+    options: dict = {}
+    if "--providers" in args:  # e.g. --providers OpenVINOExecutionProvider: every part on it, small or not
+        at = args.index("--providers")
+        options["providers"] = args[at + 1].split(",")
+        del args[at:at + 2]
+    names = args or TEXT
+    print(f"torch {torch.__version__}, ortlab {ortlab.__version__}; vocab {V}, pad_token_id 0, dropout off"
+          + (f"; providers pinned to {options['providers']}" if options else ""))
     for name in names:
         try:
             torch.manual_seed(0)
             model, batch = CASES[name](pad_token_id=0, use_cache=False, **NO_DROPOUT)
-            print(compare(name, model, padded(batch)), flush=True)
+            print(compare(name, model, padded(batch), **options), flush=True)
         except Exception as e:  # noqa: BLE001 - report every architecture
             print(f"{name:<12} FAILED: {type(e).__name__}: {str(e)[:400]}", flush=True)
             traceback.print_exc()
