@@ -279,14 +279,18 @@ CASES = {
         pad_token_id=0, local_radius=4),
 }
 
+def pinned_providers(args: list[str]) -> tuple[list[str], dict]:
+    """``args`` without ``--providers A,B`` and the ORTModule options it asks for (``{}`` without it):
+    e.g. ``--providers OpenVINOExecutionProvider`` puts every part on it, small or not."""
+    if "--providers" not in args:
+        return args, {}
+    at = args.index("--providers")
+    return args[:at] + args[at + 2:], {"providers": args[at + 1].split(",")}
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
-    args = sys.argv[1:]
-    options: dict = {}
-    if "--providers" in args:  # e.g. --providers OpenVINOExecutionProvider: every part on it, small or not
-        at = args.index("--providers")
-        options["providers"] = args[at + 1].split(",")
-        del args[at:at + 2]
+    args, options = pinned_providers(sys.argv[1:])
     names = args or list(CASES)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, ortlab {ortlab.__version__}"
           + (f"; providers pinned to {options['providers']}" if options else ""))

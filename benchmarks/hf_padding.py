@@ -30,7 +30,8 @@ import torch  # torch first, as users' scripts do
 import ortlab
 
 sys.path.insert(0, str(Path(__file__).parent))
-from hf_architectures import CASES, V, _without_dropout, cls_eos, parts_on, train_beside_eager  # noqa: E402
+from hf_architectures import (  # noqa: E402
+    CASES, V, _without_dropout, cls_eos, parts_on, pinned_providers, train_beside_eager)
 
 # The architectures of hf_architectures.py whose batches are token ids (lm, cls, cls_eos).
 TEXT = ("mistral", "qwen2", "qwen3", "phi", "phi3", "gemma", "gemma2", "falcon", "gpt_neox", "gptj", "gpt_neo", "bloom",
@@ -89,12 +90,7 @@ def _short(record: object) -> str:
 
 def main() -> None:
     warnings.simplefilter("ignore")
-    args = sys.argv[1:]
-    options: dict = {}
-    if "--providers" in args:  # e.g. --providers OpenVINOExecutionProvider: every part on it, small or not
-        at = args.index("--providers")
-        options["providers"] = args[at + 1].split(",")
-        del args[at:at + 2]
+    args, options = pinned_providers(sys.argv[1:])
     names = args or TEXT
     print(f"torch {torch.__version__}, ortlab {ortlab.__version__}; vocab {V}, pad_token_id 0, dropout off"
           + (f"; providers pinned to {options['providers']}" if options else ""))
