@@ -112,7 +112,7 @@ class GraphRecord:
     export_s: float = 0.0  # torch.onnx's translation and onnxscript's optimizer (optimize_s of it)
     session_s: float = 0.0
     optimize_s: float = 0.0
-    race_s: float = 0.0  # measuring the candidate providers on the first call (Note in ortlab.runtime.race)
+    race_s: float = 0.0  # checking the candidate providers on the first call (Note in ortlab.runtime.race)
     providers: str = ""
     threads: str = ""
     cached: int = 0
@@ -131,6 +131,20 @@ class GraphRecord:
     def runners(self) -> list[Any]:
         """The ``OrtRunner`` of each onnxruntime partition."""
         return [part.runner for part in self.parts]
+
+    @property
+    def measuring(self) -> int:
+        """How many of its parts have not decided their providers yet: the race checks candidates on a
+        part's first call and times them on its next calls (``ortlab.runtime.race``)."""
+        return sum(getattr(part.runner, "race", None) is not None for part in self.parts)
+
+    @property
+    def providers_now(self) -> str:
+        """``providers``, and how many parts are still measuring theirs."""
+        if not self.measuring:
+            return self.providers
+        return (f"{self.providers} (still measuring on {self.measuring} of {len(self.parts)} part(s): their next "
+                "calls run the candidates in turn, timed)")
 
 
 @dataclasses.dataclass
@@ -306,7 +320,7 @@ class Report:
                 if top:
                     lines.append(f"             top ONNX ops: {top}")
                 if g.providers:
-                    lines.append(f"             providers: {g.providers}")
+                    lines.append(f"             providers: {g.providers_now}")
                 if g.threads:
                     lines.append(f"             threads: {g.threads}")
                 lines.extend(f"             note: {note}" for note in g.notes)

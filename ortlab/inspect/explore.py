@@ -313,12 +313,13 @@ class _Pipeline:
         stage.summary["pytorch_ops"] = sum(g.torch_nodes for g in records)
         stage.summary["fallbacks"] = len(self.report.fallbacks)
         # Which execution providers run each graph, and the measurement behind the choice (the
-        # race of ortlab.runtime.race runs on this first call): the report's lines, here too.
+        # race of ortlab.runtime.race checks on this first call and times on the next calls, so
+        # a graph still measuring says so): the report's lines, here too.
         # (one summary entry per graph: a lab's summaries hold plain values, ortlab.inspect._lab_files)
         for g in records:
             if g.providers:
-                stage.summary[f"{g.label} providers"] = g.providers
-                stage.notes.append(f"{g.label} runs on {g.providers}.")
+                stage.summary[f"{g.label} providers"] = g.providers_now
+                stage.notes.append(f"{g.label} runs on {g.providers_now}.")
             stage.notes += [n for n in g.notes if " providers: " in n]
         if not stage.artifacts:
             stage.notes.append(self._skipped_reason("step"))

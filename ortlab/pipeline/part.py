@@ -212,7 +212,7 @@ class PartBuilder:
 
     def _race(self, runner: OrtRunner, part: str, entry: CacheEntry | None, same: str,
               gm: torch.fx.GraphModule) -> None:
-        """Measure the other candidate providers on the part's first call (``ortlab.runtime.race``);
+        """Measure the other candidate providers on the part's first calls (``ortlab.runtime.race``);
         the decision is stored with the cache entry (Note [Stored provider decisions]). A part whose
         graph (``same``, its ``structure_key``) was raced before follows that race's winner; ``gm``, run in
         float64, decides a disagreement (Note [Float64 decides a disagreement])."""
@@ -256,7 +256,7 @@ class PartBuilder:
             record.race_s += result.seconds
             if result.chosen:
                 how = (f"(as measured on {result.followed}, the same graph)" if result.followed
-                       else "(measured fastest on the first call)")
+                       else "(measured fastest on its first calls)")
                 self._decide(part, result.chosen, how)
                 if not result.followed:  # what won, and the session that runs it (the race swapped it in)
                     self._raced.setdefault(same, (result.chosen, where, runner.session))
@@ -281,7 +281,8 @@ class PartBuilder:
         follower = same in self._structures
         self._structures.add(same)
         runner.race = make_race(sources, decided, prebuilt=None if static_empty or follower else prebuild(sources),
-                                follow=lambda: self._raced.get(same), judge=float64_judge(gm))
+                                follow=lambda: self._raced.get(same), judge=float64_judge(gm),
+                                pending=(lambda: same not in self._raced) if follower else None)
 
     def _label(self, part: str) -> str:
         return label(self.ctx.capture, self.record.name, part)

@@ -352,7 +352,7 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
 
 
 # Note [Stored provider decisions]
-# Which execution provider ran a part fastest was measured on its first call
+# Which execution provider ran a part fastest was measured on its first calls
 # (``ortlab.runtime.race``): seconds of building and running every candidate. The decision
 # is stored beside the entry (``{key}.providers.json``), with the candidates it was made
 # among, so a later process that loads the entry builds the winner's session directly. A

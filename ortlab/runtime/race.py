@@ -1,16 +1,15 @@
-"""Measure execution providers on a graph part's first real inputs and keep the fastest that agrees.
+"""Measure execution providers on a graph part's real inputs and keep the fastest that agrees.
 
 Which provider is fastest depends on the graph and the machine (OpenVINO's fused kernels
 win on transformer backwards on the Xeons we measured; small graphs pay its dispatch), so
 ortlab does not guess: the session built with the first provider runs the first call as
 usual, then each other candidate is built from the same model (``SessionSource``) and run
-on the same inputs. A candidate that fails to build, fails to run, or whose outputs differ
-beyond the parity tolerance (rtol 1e-4, atol 1e-5; integers and booleans exactly) is
-dropped with its reason; of the rest, the one with the lowest median time is swapped into
-the runner for every later call. The decision and the times go to the report.
-
-The race runs once per part, on its first call; the outputs returned are the first
-provider's (every candidate kept agreed with them).
+once on the same inputs. A candidate that fails to build, fails to run, or whose outputs
+differ beyond the parity tolerance (rtol 1e-4, atol 1e-5; integers and booleans exactly) is
+dropped with its reason. The part's next calls run on the candidates kept and the first
+session in turn, timed (Note [The race times the next calls' own runs]); the one with the
+lowest median time is swapped into the runner for every later call. The decision and the
+times go to the report.
 """
 
 from __future__ import annotations
@@ -53,7 +52,8 @@ class RaceResult:
     times_ms: dict[str, float]
     dropped: dict[str, str]
     seconds: float = 0.0  # what the race itself took (building and running the candidates)
-    runs: int = 1  # timed runs of the most-measured candidate (Note [How the race times its candidates])
+    runs: int = 1  # timed runs of the most-measured candidate (Note [The race times the next calls' own runs])
+    calls: tuple[int, int] = (0, 0)  # the part's calls whose runs were timed, first and last
     followed: str = ""  # the part whose race decided this one (Note [Parts that are the same graph])
     checked: bool = False  # a followed winner other than the first-built session agreed with its outputs
     shared: bool = False  # ... and it runs the followed part's session (Note [Parts that are the same graph])
@@ -63,16 +63,26 @@ class RaceResult:
 
     def describe(self) -> str:
         if self.followed:
-            how = "outputs checked on this part's first call" if self.checked else "the session it was built with"
+            how = (f"outputs checked on this part's call {max(self.calls[0], 1)}" if self.checked
+                   else "the session it was built with")
             if self.shared:
                 how += f", running {self.followed}'s session"
             text = f"{'+'.join(self.chosen)} as measured on {self.followed}, the same graph ({how}; {self.seconds:.2f} s)"
             for name, why in self.dropped.items():
                 text += f"; {name} dropped: {why}"
             return text
-        times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.times_ms.items())
-        how = "median of %d timed runs" % self.runs if self.runs > 1 else "one timed run each"
-        text = f"{'+'.join(self.chosen)} measured fastest ({times}; {how}; measuring took {self.seconds:.2f} s)"
+        if not self.times_ms:  # every candidate dropped on the first call: nothing was timed
+            text = f"{'+'.join(self.chosen)} kept, every other candidate dropped (checking took {self.seconds:.2f} s)"
+        else:
+            times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.times_ms.items())
+            how = "median of %d timed runs" % self.runs if self.runs > 1 else "one timed run each"
+            first, last = self.calls
+            if first and first != last:
+                how += f", on the part's calls {first}-{last}"
+            elif first:
+                how += f", on the part's call {first}"
+            text = (f"{'+'.join(self.chosen)} measured fastest ({times}; {how}; measuring took "
+                    f"{self.seconds:.2f} s)")
         for name, why in self.judged.items():
             text += f"; {name} kept: {why}"
         for name, why in self.dropped.items():
@@ -87,39 +97,54 @@ def _name(source: SessionSource | None, taken: dict[str, float]) -> str:
     return name
 
 
-def _time_once(runner: OrtRunner, args: Sequence[object]) -> float:
+def _timed_run(runner: OrtRunner, args: Sequence[object]) -> tuple[float, list]:
+    """One run of the runner's current session: its seconds and its outputs."""
     start = time.perf_counter()
-    runner.run(args)
-    return time.perf_counter() - start
+    outputs = runner.run(args)
+    return time.perf_counter() - start, outputs
 
 
-# Note [How the race times its candidates]
-# Each run is timed only once its memory is in place: a session's first run allocates (and
-# OpenVINO finishes compiling), and while the part's first outputs are held (the call's own
-# outputs, which the backward needs) the first-built session's next run grows the arena for
-# another set of outputs and pays its page faults (the GPT's forward: 76-85 ms against 57 ms
-# steady). So each candidate runs once untimed (its outputs checked, then let go) and once
-# timed, and the first-built session runs once more untimed, then timed, after them. Only
-# the candidates within CLOSE of the fastest single time run again, up to REPEATS times
-# each, taking turns (A B A B, so a busy moment of the machine hits both), and the lowest
-# median wins. A clear winner is settled by one run each: the GPT's backward (CPU provider
-# 108 ms, OpenVINO 70 ms) took 1.13 s to measure with three timed runs each, and each repeat
-# of a GPT-2-small-sized backward costs about a second of the first step. A run over
-# LONG_RUN_S is not repeated either: its noise is small against its length.
+def _time_once(runner: OrtRunner, args: Sequence[object]) -> float:
+    return _timed_run(runner, args)[0]
+
+
+# Note [The race times the next calls' own runs]
+# The first call checks; the next calls time. On a part's first call the first-built session
+# runs the call (its outputs are the call's), and each candidate runs once on the same inputs:
+# a warm-up (a session's first run allocates, and OpenVINO finishes compiling) whose outputs
+# are compared with the first session's, the candidate dropped with its reason if they
+# disagree. The timing then rides on the part's next calls, one entrant per call, taking
+# turns (candidates first, then the first session: A B A B, so a busy moment of the machine
+# hits both), each run's outputs being that call's own: measuring costs no run beyond the
+# warm-ups. Timed this way each run is the training loop's own, in the loop's conditions:
+# the earlier race timed extra runs on the first call while the call's own outputs (the
+# activations the backward needs) were held, and the first session's runs there grew the
+# arena for another set of outputs and paid page faults (the GPT's forward: 76-85 ms against
+# 57 ms steady; its untimed run 20-47% slower than its timed one, even for runs of seconds),
+# and it cost five runs a graph: 55 s of the GPT-2-small-sized model's first step. After one
+# timed run each, only the entrants within CLOSE of the fastest run again, up to REPEATS
+# times each, and the lowest median wins; a run over LONG_RUN_S is not repeated (its noise is
+# small against its length). A call whose inputs have other shapes than the first call's
+# times every entrant on its own inputs at once (times of other inputs do not compare), and
+# decides. Until the race is decided the report names the first-built session.
 CLOSE = 1.15
+# A part that follows an earlier part's race waits this many of its calls for it to decide, then races
+# on its own (Note [Parts that are the same graph]).
+PENDING_CALLS = 8
 
 # Note [The race's memory goes back after it]
-# Every timed run allocates a full set of outputs while the part's own first outputs (the
+# Every warm-up run allocates a full set of outputs while the part's own first outputs (the
 # activations the backward needs) are still held, and each candidate runs its own working
 # memory; onnxruntime's CPU arena (shared by every session, Note [One CPU arena for all
 # sessions]) keeps every region it grew. After a race the part's next run asks onnxruntime
 # to give the regions that are wholly free back (``memory.enable_memory_arena_shrinkage``),
 # once, and glibc to hand back the pages its free lists hold (the export's garbage, the
-# losing sessions; ``give_back_freed_heap`` in ortlab.runtime.runner). Within the race, a
-# candidate's warm-up outputs are compared and dropped before its timed run, so that run
-# reuses their memory instead of growing the arena by another set. The GPT on the Xeon,
-# 50 steps: steady RSS 1185 -> 754 MiB (arena shrink 947, warm-up outputs dropped 876,
-# heap trimmed 754), peak 1185 -> 1103 MiB; the step time is unchanged (120 ms).
+# losing sessions; ``give_back_freed_heap`` in ortlab.runtime.runner). A candidate's warm-up
+# outputs are compared and dropped before the next candidate runs, so it reuses their memory
+# instead of growing the arena by another set. The GPT on the Xeon, 50 steps, when the race
+# still timed its runs on the first call: steady RSS 1185 -> 754 MiB (arena shrink 947,
+# warm-up outputs dropped 876, heap trimmed 754), peak 1185 -> 1103 MiB; the step time is
+# unchanged (120 ms).
 
 
 # Note [Parts that are the same graph]
@@ -150,7 +175,8 @@ class _Entrant:
 
 
 def _settle(runner: OrtRunner, args: Sequence[object], entrants: list[_Entrant]) -> None:
-    """More timed runs, taking turns, for the entrants too close to the fastest to call (see the Note)."""
+    """More timed runs on one call's inputs, taking turns, for the entrants too close to the fastest to call
+    (Note [The race times the next calls' own runs])."""
     fastest = min(e.times[0] for e in entrants)
     close = [e for e in entrants if e.times[0] <= fastest * CLOSE]
     if len(close) < 2 or fastest >= LONG_RUN_S:
@@ -312,9 +338,11 @@ def float64_judge(gm: torch.fx.GraphModule) -> Judge:
 # compiles: 0.18 s for the GPT's forward, 0.29 s for its backward), and onnxruntime lets go
 # of the GIL while it builds. So a part's candidates start building on a worker thread as
 # soon as the part's own session exists, while Dynamo and AOTAutograd finish and the first
-# call runs; a race waits for every build in flight (its own and other parts') before its
-# first timed run, so no build shares the cores with a run being timed. A build that fails
-# is recorded as before. Measured on the GPT's first step: the two races 1.55 -> 1.3 s.
+# call runs. A part whose candidates are still building when it is called runs on its own
+# session and checks them on a later call (the GPT's backward had waited 0.6 s of its first
+# step for OpenVINO's compile); every timed run waits for all builds in flight (its own and
+# other parts'), so no build shares the cores with a run being timed. A build that fails is
+# recorded as before. Measured on the GPT's first step: the two races 1.55 -> 1.3 s.
 _BUILDER_LOCK = threading.Lock()
 _BUILDING: set[concurrent.futures.Future] = set()  # every module's builds in flight: a race waits for all
 _BUILDING_PID = [os.getpid()]
@@ -354,7 +382,7 @@ def _has_empty(args: Sequence[object]) -> bool:
 
 def _follow(runner: OrtRunner, args: Sequence[object], reference: list, candidates: Sequence[SessionSource],
             prebuilt: Sequence[concurrent.futures.Future] | None, chosen: tuple[str, ...], where: str,
-            shared: object | None, start: float) -> RaceResult | None:
+            shared: object | None, start: float, call: int = 1) -> RaceResult | None:
     """Take the providers ``chosen`` by the race of ``where`` (Note [Parts that are the same graph]), running
     ``shared`` (that part's session, when given) or a session of this part's own; None when that provider
     cannot run this part or disagrees with ``reference``."""
@@ -384,32 +412,135 @@ def _follow(runner: OrtRunner, args: Sequence[object], reference: list, candidat
         return None
     runner.session_source = candidates[index]
     runner.shrink_arena_on_next_run()
-    result.checked, result.shared = True, shared is not None
+    result.checked, result.shared, result.calls = True, shared is not None, (call, call)
     result.seconds = time.perf_counter() - start
     return result
 
 
+def _shapes(args: Sequence[object]) -> tuple:
+    """What a run's time depends on in its inputs: each tensor's shape and dtype (scalars by type)."""
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else type(a) for a in args)
+
+
+class _Timing:
+    """A race's timed runs, one per call from the part's second call on (Note [The race times the next
+    calls' own runs]): the entrants take turns, each run's outputs are that call's."""
+
+    def __init__(self, entrants: list[_Entrant], result: RaceResult, shapes: tuple,
+                 on_result: Callable[[RaceResult], None], start_call: int) -> None:
+        self.entrants, self.result, self.shapes, self.on_result = entrants, result, shapes, on_result
+        self.turns = [*entrants[1:], entrants[0]]  # the candidates first, as their warm-ups ran last
+        self.call = start_call  # the part's calls so far
+        self.first_timed = 0
+
+    def __call__(self, runner: OrtRunner, args: Sequence[object]) -> list:
+        self.call += 1
+        _wait_for_builds()  # no build shares the cores with a timed run
+        if _shapes(args) != self.shapes:
+            # Times of other inputs are not comparable: this call times every entrant on its own inputs.
+            return self._all_on(runner, args)
+        entrant = self.turns.pop(0)
+        runner.swap_session(entrant.session)
+        try:
+            seconds, outputs = _timed_run(runner, args)
+            entrant.times.append(seconds)
+        except Exception as e:  # noqa: BLE001 - a candidate failing now is dropped, said why; the first raises
+            if entrant is self.entrants[0]:
+                raise
+            self.result.dropped[entrant.name] = f"failed to run on the part's call {self.call}: {first_line(e, 200)}"
+            self.entrants.remove(entrant)
+            self.turns = [t for t in self.turns if t is not entrant]
+            runner.swap_session(self.entrants[0].session)
+            outputs = runner.run(args)
+        self.first_timed = self.first_timed or self.call
+        if not self.turns:
+            self.turns = self._next_round()
+        if self.turns:
+            runner.race = self
+        else:
+            self._decide(runner)
+        return outputs
+
+    def _next_round(self) -> list[_Entrant]:
+        """The entrants to time once more, in turn; none once the race is decided (see the Note)."""
+        if len(self.entrants) < 2:
+            return []
+        best = [statistics.median(e.times) for e in self.entrants]
+        fastest = min(best)
+        close = [e for e, t in zip(self.entrants, best) if t <= fastest * CLOSE]
+        if len(close) < 2 or fastest >= LONG_RUN_S or min(len(e.times) for e in close) >= REPEATS:
+            return []
+        return [*(e for e in self.entrants[1:] if e in close), self.entrants[0]]  # the same order each round
+
+    def _all_on(self, runner: OrtRunner, args: Sequence[object]) -> list:
+        """Every entrant timed on this call's inputs (their earlier times, on other inputs, forgotten); the
+        first entrant's outputs are returned, as on the first call."""
+        for e in self.entrants:
+            e.times = []
+        runner.swap_session(self.entrants[0].session)
+        outputs = runner.run(args)  # the call's own run; it grows the memory for a new size, untimed
+        for e in self.entrants[1:]:
+            runner.swap_session(e.session)
+            try:
+                e.times.append(_time_once(runner, args))
+            except Exception as exc:  # noqa: BLE001
+                self.result.dropped[e.name] = f"failed to run on the part's call {self.call}: {first_line(exc, 200)}"
+        self.entrants = [e for e in self.entrants if e is self.entrants[0] or e.times]
+        runner.swap_session(self.entrants[0].session)
+        self.entrants[0].times.append(_time_once(runner, args))
+        _settle(runner, args, self.entrants)
+        self.first_timed = self.call
+        self._decide(runner)
+        return outputs
+
+    def _decide(self, runner: OrtRunner) -> None:
+        result = self.result
+        for e in self.entrants:
+            result.times_ms[e.name] = statistics.median(e.times) * 1e3
+        best = min(self.entrants, key=lambda e: statistics.median(e.times))
+        runner.swap_session(best.session)
+        runner.session_source = best.source
+        result.chosen = best.source.providers if best.source is not None else ()
+        result.runs = max(len(e.times) for e in self.entrants)
+        result.calls = (self.first_timed, self.call)
+        runner.shrink_arena_on_next_run()  # Note [The race's memory goes back after it]
+        self.entrants = []  # the losers' sessions go with the race
+        self.on_result(result)
+
+
 def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResult], None],
               prebuilt: Sequence[concurrent.futures.Future] | None = None, follow: Follow | None = None,
-              judge: Judge | None = None) -> Callable[[OrtRunner, Sequence[object]], list]:
+              judge: Judge | None = None, pending: Callable[[], bool] | None = None,
+              ) -> Callable[[OrtRunner, Sequence[object]], list]:
     """The first-call hook for an ``OrtRunner`` (``runner.race``) measuring ``candidates`` against its session;
     ``prebuilt`` holds their sessions being built already (``prebuild``), in the same order. ``follow``
     names the winner of an earlier race on the same graph, if any (Note [Parts that are the same graph]);
-    ``judge`` gives the float64 outputs that decide a disagreement (Note [Float64 decides a disagreement])."""
+    while ``pending`` says that race is still timing, the part waits for it on its own session. ``judge``
+    gives the float64 outputs that decide a disagreement (Note [Float64 decides a disagreement]).
+    ``on_result`` is called once the race is decided (Note [The race times the next calls' own runs])."""
+    calls = [0]
 
     def race(runner: OrtRunner, args: Sequence[object]) -> list:
         start = time.perf_counter()
+        calls[0] += 1
         first = runner.session_source
         reference = runner.run(args)  # the call's own run, and the first session's warm-up
         earlier = follow() if follow is not None else None
         if earlier is not None:
-            followed = _follow(runner, args, reference, candidates, prebuilt, *earlier, start=start)
+            followed = _follow(runner, args, reference, candidates, prebuilt, *earlier, start=start, call=calls[0])
             if followed is not None:
                 on_result(followed)
                 return reference
-        _wait_for_builds()  # no build shares the cores with a timed run
+        elif pending is not None and pending() and calls[0] < PENDING_CALLS:
+            runner.race = race  # Note [Parts that are the same graph]: the earlier part's race decides soon
+            return reference
+        if prebuilt and not all(f.done() for f in prebuilt) and calls[0] < PENDING_CALLS:
+            # Note [Candidates build while the graph is still being compiled]: still building; the check
+            # waits for a later call instead of holding this one up.
+            runner.race = race
+            return reference
         result = RaceResult(first.providers if first is not None else (), {}, {})
-        entrants = [_Entrant(_name(first, {}), runner.session, first, [])]  # timed after the candidates
+        entrants = [_Entrant(_name(first, {}), runner.session, first, [])]
         empty = _has_empty(args)
         truth: list | None = None  # the float64 outputs, once a candidate disagrees
         for i, source in enumerate(candidates):
@@ -427,8 +558,7 @@ def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResu
                 continue
             runner.swap_session(built.session)
             try:
-                # The warm-up's outputs are checked and let go before the timed run, which then
-                # reuses their memory (Note [The race's memory goes back after it]).
+                # The warm-up: its outputs are checked and let go.
                 outputs = runner.run(args)
                 why = _disagreement(reference, outputs)
                 if why and judge is not None:
@@ -440,7 +570,6 @@ def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResu
                     elif figures:
                         why = f"{why}, and {figures}"
                 del outputs
-                seconds = 0.0 if why else _time_once(runner, args)
             except Exception as e:  # noqa: BLE001
                 result.dropped[name] = f"failed to run: {first_line(e, 200)}"
                 continue
@@ -449,25 +578,14 @@ def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResu
             if why:
                 result.dropped[name] = why
                 continue
-            entrants.append(_Entrant(name, built.session, source, [seconds]))
-        # The first session runs once more untimed: the part's first outputs are still held, so
-        # its next run grows the arena for another set of outputs and pays the page faults (the
-        # GPT's forward: 76-85 ms against 57 ms steady), a bias against it. Its timed run then
-        # reuses that memory, as each candidate's timed run reuses its warm-up's.
-        if len(entrants) > 1:
-            runner.run(args)
-        entrants[0].times.append(_time_once(runner, args))
-        _settle(runner, args, entrants)
-        for e in entrants:
-            result.times_ms[e.name] = statistics.median(e.times) * 1e3
-        best = min(entrants, key=lambda e: statistics.median(e.times))
-        runner.swap_session(best.session)
-        runner.session_source = best.source
-        result.chosen = best.source.providers if best.source is not None else ()
-        result.runs = max(len(e.times) for e in entrants)
+            entrants.append(_Entrant(name, built.session, source, []))
         result.seconds = time.perf_counter() - start
-        runner.shrink_arena_on_next_run()  # Note [The race's memory goes back after it]
-        on_result(result)
+        if len(entrants) == 1:  # nothing left to time against the first session
+            result.runs = 0
+            runner.shrink_arena_on_next_run()
+            on_result(result)
+            return reference
+        runner.race = _Timing(entrants, result, _shapes(args), on_result, calls[0])
         return reference
 
     return race

@@ -61,7 +61,7 @@ SMALL_GRAPH_FLOPS = 10_000_000
 class ProviderChoice:
     """The execution providers a session runs on, in order of precedence, and why.
 
-    ``candidates``: other provider lists to measure against on the first call (the
+    ``candidates``: other provider lists to measure against on the first calls (the
     fastest that agrees is kept; see ``ortlab.runtime.race``).
     """
 
@@ -99,11 +99,11 @@ def choose_providers(device_type: str, options: Options, bf16: bool = False) -> 
             # Note [bfloat16 graphs on the CPU]
             reason = (f"the graph computes in bfloat16 and {fast_bf16} has bfloat16 kernels on this CPU "
                       "(onnxruntime's CPU provider lacks bfloat16 MatMul and Gemm); measured against "
-                      "CPUExecutionProvider on the first call")
+                      "CPUExecutionProvider on the first calls")
             return ProviderChoice((fast_bf16,), reason, (("CPUExecutionProvider",),)
                                   + tuple(o for o in others if o[0] != fast_bf16))
         if others:
-            reason += f"; measured against {', '.join(o[0] for o in others)} on the first call"
+            reason += f"; measured against {', '.join(o[0] for o in others)} on the first calls"
         return ProviderChoice(("CPUExecutionProvider",), reason, others)
     if device_type == "cuda":
         if "CUDAExecutionProvider" not in ort.get_available_providers():
@@ -152,7 +152,7 @@ def available_cores() -> int:
 # first those nodes run in PyTorch (``kernel`` placements) and the graph is cut around
 # each. OpenVINO's CPU plugin has bfloat16 kernels where the CPU has AMX or AVX-512-bf16
 # (its device lists BF16 among OPTIMIZATION_CAPABILITIES): such a graph is built on it
-# first, whole, and the CPU provider is measured against it on the first call like any
+# first, whole, and the CPU provider is measured against it on the first calls like any
 # candidate (it fails to build where it lacks a kernel, and is dropped saying so). Its
 # f32 precision hint stays: the f32 ops autocast keeps in f32 (softmax, layer norm, the
 # loss) must stay f32, and a bfloat16 MatMul runs in bfloat16 with it (the same values as

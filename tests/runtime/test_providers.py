@@ -29,6 +29,18 @@ def _runners(om: ortlab.ORTModule) -> list:
     return [p.runner for c in om.report.captures for g in c.graphs for p in g.parts]
 
 
+def _calls_until_decided(call, runners) -> int:  # noqa: ANN001
+    """Call ``call()`` until no runner has a race under way (Note [The race times the next calls' own runs]:
+    the first call checks, the next ones time); returns how many calls it took."""
+    from ortlab.runtime.race import REPEATS
+
+    for n in range(1, 2 + 2 * REPEATS + 1):
+        call()
+        if all(r.race is None for r in runners()):
+            return n
+    raise AssertionError("the race was not decided")
+
+
 def test_every_known_plugin_is_a_candidate_or_says_why_not():
     found, notes = providers_module.plugin_eps(), providers_module.plugin_notes()
     assert set(found) | set(notes) == set(providers_module.PLUGINS)
@@ -62,12 +74,21 @@ def test_the_race_keeps_an_agreeing_session_and_drops_what_fails():
     x, y = make_batch("tiny", 8)
     eager = TinyMLP()
     eager.load_state_dict(om.module.state_dict())
-    torch.testing.assert_close(om(x), eager(x))  # the race ran on this call and returned the right outputs
+    torch.testing.assert_close(om(x), eager(x))  # the race checked on this call and returned the right outputs
+    assert not results and runner.race is not None, "the next calls time the entrants"
+    assert "still measuring on 1 of 1 part(s): their next calls run the candidates in turn" in str(om.report)
+
+    def call() -> None:  # each timed run's outputs are the call's own
+        torch.testing.assert_close(om(x), eager(x))
+
+    calls = _calls_until_decided(call, lambda: [runner])
     (result,) = results
     assert len(result.times_ms) == 2 and all(ms > 0 for ms in result.times_ms.values())
     assert "NoSuchExecutionProvider" in result.dropped
-    assert runner.race is None, "the race runs once"
-    assert "measured fastest" in result.describe()
+    assert runner.race is None, "the race ends once decided"
+    assert "still measuring" not in str(om.report)
+    assert 2 <= calls <= 2 * result.runs and result.calls == (2, calls + 1)
+    assert "measured fastest" in result.describe() and f"on the part's calls 2-{calls + 1}" in result.describe()
     torch.testing.assert_close(om(x), eager(x))  # and whichever session won runs the next calls
 
 
@@ -117,7 +138,8 @@ def test_float64_decides_a_disagreement(wrong):
 
     runner.race = make_race([dataclasses.replace(source, threads=2)], results.append, judge=judge)
     runner.run = skewed
-    om(make_batch("tiny", 8)[0])
+    x = make_batch("tiny", 8)[0]
+    _calls_until_decided(lambda: om(x), lambda: [runner])
     (result,) = results
     if wrong == "first session":
         (kept,) = result.judged.values()
@@ -193,7 +215,8 @@ def test_the_race_compares_outputs_as_allclose_does():
 
 @pytest.mark.parametrize("candidate_s, runs", [(0.005, 1), (0.009, 3)])
 def test_a_clear_winner_is_timed_once_and_close_ones_take_turns(monkeypatch, candidate_s, runs):
-    """Note [How the race times its candidates]: only candidates within CLOSE of the fastest run again."""
+    """Note [The race times the next calls' own runs]: one entrant timed per call, taking turns; only
+    candidates within CLOSE of the fastest run again."""
     from ortlab.runtime import race as race_module
 
     om = _trained_module()
@@ -201,25 +224,59 @@ def test_a_clear_winner_is_timed_once_and_close_ones_take_turns(monkeypatch, can
     source = runner.session_source
     first_session = runner.session
     order: list[str] = []
+    real = race_module._timed_run
 
     def fake_time(r, args):  # noqa: ANN001, ANN202 - each session's run takes a fixed time
         order.append("first" if r.session is first_session else "candidate")
-        r.run(args)
-        return 0.010 if r.session is first_session else candidate_s
+        return 0.010 if r.session is first_session else candidate_s, real(r, args)[1]
 
-    monkeypatch.setattr(race_module, "_time_once", fake_time)
+    monkeypatch.setattr(race_module, "_timed_run", fake_time)
     results: list[RaceResult] = []
     runner.race = make_race([dataclasses.replace(source, threads=2 if source.threads != 2 else 1)], results.append)
-    om(make_batch("tiny", 8)[0])
+    x = make_batch("tiny", 8)[0]
+    om(x)
+    assert not order, "the first call checks the candidate, untimed"
+    assert _calls_until_decided(lambda: om(x), lambda: [runner]) == 2 * runs
     (result,) = results
     assert result.runs == runs
-    if runs == 1:  # the first session is timed after the candidates (Note [How the race times its candidates])
-        assert order == ["candidate", "first"]
-        assert "one timed run each" in result.describe()
+    assert order == ["candidate", "first"] * runs  # one run per call, the candidates first
+    if runs == 1:
+        assert "one timed run each, on the part's calls 2-3" in result.describe()
     else:
-        assert order == ["candidate", "first"] + ["first", "candidate"] * (race_module.REPEATS - 1)
-        assert f"median of {race_module.REPEATS} timed runs" in result.describe()
+        assert f"median of {race_module.REPEATS} timed runs, on the part's calls 2-7" in result.describe()
     assert runner.session is not first_session and runner.session_source is not source  # the candidate won
+
+
+def test_a_call_with_other_shapes_times_every_entrant_on_its_own_inputs(monkeypatch):
+    """Times of other inputs do not compare: a call whose shapes differ from the first call's times every
+    entrant on its inputs and decides."""
+    from ortlab.runtime import race as race_module
+
+    torch.manual_seed(0)
+    om = ortlab.ORTModule(TinyMLP(), dynamic=True)
+    eager = TinyMLP()
+    eager.load_state_dict(om.module.state_dict())
+    om(make_batch("tiny", 8)[0])
+    om(make_batch("tiny", 5)[0])  # a dynamic batch size: one graph for both
+    runner = _runners(om)[0]  # the forward
+    source = runner.session_source
+    results: list[RaceResult] = []
+    runner.race = make_race([dataclasses.replace(source, threads=2 if source.threads != 2 else 1)], results.append)
+    seen: list[int] = []
+    real = race_module._timed_run
+
+    def spy(r, args):  # noqa: ANN001, ANN202
+        seen.append(next(a.shape[0] for a in args if isinstance(a, torch.Tensor) and a.dim() == 2
+                         and a.shape[1] == 64 and a.shape[0] != 128))  # the batch, not the (128, 64) weight
+        return real(r, args)
+
+    monkeypatch.setattr(race_module, "_timed_run", spy)
+    om(make_batch("tiny", 8)[0])  # checks
+    x = make_batch("tiny", 6)[0]
+    torch.testing.assert_close(om(x), eager(x))  # other shapes: timed here, on these inputs
+    (result,) = results
+    assert runner.race is None and set(seen) == {6} and len(seen) >= 2
+    assert result.calls == (2, 2) and "on the part's call 2;" in result.describe()
 
 
 def test_a_cached_start_uses_the_stored_decision_without_measuring(tmp_path, monkeypatch):
@@ -240,6 +297,8 @@ def test_a_cached_start_uses_the_stored_decision_without_measuring(tmp_path, mon
     first = ortlab.ORTModule(TinyMLP().eval(), cache_dir=str(tmp_path))
     with torch.no_grad():
         expected = first(x)
+        assert not list(tmp_path.glob("*.providers.json")), "stored once decided, not before"
+        _calls_until_decided(lambda: first(x), lambda: _runners(first))
     (measured,) = notes(first)
     assert "measured fastest" in measured
     # The report's providers line names the winner, not the provider the session was first built with.
@@ -248,7 +307,7 @@ def test_a_cached_start_uses_the_stored_decision_without_measuring(tmp_path, mon
     graph = first.report.captures[0].graphs[0]
     assert graph.race_s > 0 and 0 < graph.optimize_s <= graph.export_s
     assert f"measuring providers {graph.race_s:.2f} s" in str(first.report)
-    assert line.startswith(f"{winner} (measured fastest on the first call); before measuring: "), line
+    assert line.startswith(f"{winner} (measured fastest on its first calls); before measuring: "), line
     assert list(tmp_path.glob("*.providers.json"))
 
     torch.manual_seed(0)
@@ -374,7 +433,7 @@ def test_candidates_build_on_the_builder_thread_before_the_first_call(monkeypatc
         om = ortlab.ORTModule(TinyMLP().eval())
         x, _ = make_batch("tiny", 8)
         with torch.no_grad():
-            om(x)
+            _calls_until_decided(lambda: om(x), lambda: _runners(om))
         assert threads and all(name.startswith("ortlab-race-build") for name in threads), threads
         assert not race_module._BUILDING
         (note,) = [n for g in om.report.captures[0].graphs for n in g.notes if "providers:" in n]
@@ -392,20 +451,25 @@ def test_a_plugin_winner_keeps_the_model_it_ran_with_the_cache_entry(tmp_path, m
     from ortlab.runtime import race as race_module
 
     _needs_openvino()
-    real_time_once = race_module._time_once
+    real_timed_run = race_module._timed_run
 
     def openvino_wins(runner, args):  # noqa: ANN001, ANN202
-        seconds = real_time_once(runner, args)
-        return seconds / 10 if runner.session.get_providers()[0] == "OpenVINOExecutionProvider" else seconds
+        seconds, outputs = real_timed_run(runner, args)
+        return seconds / 10 if runner.session.get_providers()[0] == "OpenVINOExecutionProvider" else seconds, outputs
 
-    monkeypatch.setattr(race_module, "_time_once", openvino_wins)
+    monkeypatch.setattr(race_module, "_timed_run", openvino_wins)
     x, y = make_batch("mlp", 64)
 
     def trained(**kwargs) -> tuple[ortlab.ORTModule, list]:
         torch.manual_seed(0)
         om = ortlab.ORTModule(MLP(), cache_dir=str(tmp_path), **kwargs)
-        F.cross_entropy(om(x), y).backward()
-        return om, [p.grad for p in om.parameters()]
+        steps = 0
+        while steps < 8:  # a call checks OpenVINO once built, the next two time it against the CPU provider
+            F.cross_entropy(om(x), y).backward()
+            steps += 1
+            if all(r.race is None for r in _runners(om)):
+                break
+        return om, [p.grad / steps for p in om.parameters()]  # the mean gradient of the steps
 
     stages = tmp_path / "stages"
     first, grads = trained(debug_options=ortlab.DebugOptions(save_onnx=True, onnx_prefix="mlp", save_path=str(stages)))
@@ -449,7 +513,7 @@ def test_after_a_race_the_next_run_gives_the_arena_back_once(monkeypatch):
     x, _ = make_batch("tiny", 8)
     seen: list[str] = []
     with torch.no_grad():
-        om(x)  # the race
+        _calls_until_decided(lambda: om(x), lambda: _runners(om))  # the race
         (runner,) = _runners(om)
         real = runner._sess.run_with_ortvaluevector
 
@@ -494,13 +558,13 @@ def test_parts_that_are_the_same_graph_follow_the_first_race(monkeypatch):
 
     monkeypatch.setattr(session_module, "cpu_candidates",
                         lambda: (["CPUExecutionProvider", "AzureExecutionProvider"], {}))
-    real_time_once = race_module._time_once
+    real_timed_run = race_module._timed_run
 
     def azure_wins(runner, args):  # noqa: ANN001, ANN202
-        seconds = real_time_once(runner, args)
-        return seconds / 10 if runner.session.get_providers()[0] == "AzureExecutionProvider" else seconds
+        seconds, outputs = real_timed_run(runner, args)
+        return seconds / 10 if runner.session.get_providers()[0] == "AzureExecutionProvider" else seconds, outputs
 
-    monkeypatch.setattr(race_module, "_time_once", azure_wins)
+    monkeypatch.setattr(race_module, "_timed_run", azure_wins)
 
     def blocks() -> nn.Module:
         torch.manual_seed(0)
@@ -532,11 +596,17 @@ def test_parts_that_are_the_same_graph_follow_the_first_race(monkeypatch):
             monkeypatch.setattr(race_module, "_disagreement", disagreement)
         torch._dynamo.reset()
         eager, om = blocks(), ortlab.ORTModule(blocks())
-        torch.manual_seed(1)
-        expected = eager(x)
-        torch.manual_seed(1)
-        torch.testing.assert_close(om(x), expected)
-        forward = om.report.captures[0].graphs[0]
+        # The leader checks on the first call and times on the next two; its followers wait on their
+        # own sessions meanwhile, and follow on the third (or race on their own from there).
+        for seed in range(3, 12):
+            torch.manual_seed(seed)
+            expected = eager(x)
+            torch.manual_seed(seed)
+            torch.testing.assert_close(om(x), expected)
+            forward = om.report.captures[0].graphs[0]
+            if seed >= 5 and all(p.runner.race is None for p in forward.parts):
+                break
+        assert all(p.runner.race is None for p in forward.parts)
         notes = [n for n in forward.notes if " providers: " in n]
         followed = [n for n in notes if "as measured on" in n]
         if not disagree:
@@ -588,3 +658,27 @@ def test_a_follower_with_an_empty_input_does_not_build_a_plugin():
         followed = race_module._follow(runner, [torch.zeros(0, 4)], [], [plugin], [Untouchable()],
                                        ("OpenVINOExecutionProvider",), "g0.forward.fused_2", shared, 0.0)
         assert followed is None and not asked  # the part races on its own, which drops the plugin with its reason
+
+
+def test_a_candidate_still_building_is_checked_on_a_later_call():
+    """Note [Candidates build while the graph is still being compiled]: the first call does not wait for a
+    candidate's build; the part runs on its own session and checks the candidate once it is built."""
+    import concurrent.futures
+
+    om = _trained_module()
+    runner = _runners(om)[0]
+    source = runner.session_source
+    candidate = dataclasses.replace(source, threads=2 if source.threads != 2 else 1)
+    building: concurrent.futures.Future = concurrent.futures.Future()
+    results: list[RaceResult] = []
+    runner.race = make_race([candidate], results.append, prebuilt=[building])
+    x = make_batch("tiny", 8)[0]
+    eager = TinyMLP()
+    eager.load_state_dict(om.module.state_dict())
+    for _ in range(2):
+        torch.testing.assert_close(om(x), eager(x))
+        assert runner.race is not None and not results and runner.session_source is source
+    building.set_result(candidate.rebuild())
+    _calls_until_decided(lambda: torch.testing.assert_close(om(x), eager(x)), lambda: [runner])
+    (result,) = results
+    assert len(result.times_ms) == 2 and result.calls[0] == 4  # checked on call 3, timed from call 4
