@@ -112,7 +112,7 @@ class GraphRecord:
     export_s: float = 0.0  # torch.onnx's translation and onnxscript's optimizer (optimize_s of it)
     session_s: float = 0.0
     optimize_s: float = 0.0
-    race_s: float = 0.0  # checking the candidate providers on the first call (Note in ortlab.runtime.race)
+    race_s: float = 0.0  # the provider race's runs beyond the calls' own: the checks (Note in ortlab.runtime.race)
     providers: str = ""
     threads: str = ""
     cached: int = 0

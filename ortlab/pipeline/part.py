@@ -253,7 +253,6 @@ class PartBuilder:
 
         def decided(result: RaceResult) -> None:
             record.notes.append(f"{where} providers: {result.describe()}")
-            record.race_s += result.seconds
             if result.chosen:
                 how = (f"(as measured on {result.followed}, the same graph)" if result.followed
                        else "(measured fastest on its first calls)")
@@ -282,7 +281,8 @@ class PartBuilder:
         self._structures.add(same)
         runner.race = make_race(sources, decided, prebuilt=None if static_empty or follower else prebuild(sources),
                                 follow=lambda: self._raced.get(same), judge=float64_judge(gm),
-                                pending=(lambda: same not in self._raced) if follower else None)
+                                pending=(lambda: same not in self._raced) if follower else None,
+                                on_spent=lambda seconds: setattr(record, "race_s", record.race_s + seconds))
 
     def _label(self, part: str) -> str:
         return label(self.ctx.capture, self.record.name, part)

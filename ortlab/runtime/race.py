@@ -51,7 +51,7 @@ class RaceResult:
     chosen: tuple[str, ...]
     times_ms: dict[str, float]
     dropped: dict[str, str]
-    seconds: float = 0.0  # what the race itself took (building and running the candidates)
+    seconds: float = 0.0  # what the race spent beyond the calls' own runs (waiting for builds, the check runs)
     runs: int = 1  # timed runs of the most-measured candidate (Note [The race times the next calls' own runs])
     calls: tuple[int, int] = (0, 0)  # the part's calls whose runs were timed, first and last
     followed: str = ""  # the part whose race decided this one (Note [Parts that are the same graph])
@@ -72,7 +72,8 @@ class RaceResult:
                 text += f"; {name} dropped: {why}"
             return text
         if not self.times_ms:  # every candidate dropped on the first call: nothing was timed
-            text = f"{'+'.join(self.chosen)} kept, every other candidate dropped (checking took {self.seconds:.2f} s)"
+            text = (f"{'+'.join(self.chosen)} kept, every other candidate dropped (the runs beyond the call's own "
+                    f"took {self.seconds:.2f} s)")
         else:
             times = ", ".join(f"{name} {ms:.2f} ms" for name, ms in self.times_ms.items())
             how = "median of %d timed runs" % self.runs if self.runs > 1 else "one timed run each"
@@ -81,8 +82,8 @@ class RaceResult:
                 how += f", on the part's calls {first}-{last}"
             elif first:
                 how += f", on the part's call {first}"
-            text = (f"{'+'.join(self.chosen)} measured fastest ({times}; {how}; measuring took "
-                    f"{self.seconds:.2f} s)")
+            text = (f"{'+'.join(self.chosen)} measured fastest ({times}; {how}; the runs beyond the calls' own "
+                    f"took {self.seconds:.2f} s)")
         for name, why in self.judged.items():
             text += f"; {name} kept: {why}"
         for name, why in self.dropped.items():
@@ -427,8 +428,10 @@ class _Timing:
     calls' own runs]): the entrants take turns, each run's outputs are that call's."""
 
     def __init__(self, entrants: list[_Entrant], result: RaceResult, shapes: tuple,
-                 on_result: Callable[[RaceResult], None], start_call: int) -> None:
+                 on_result: Callable[[RaceResult], None], start_call: int,
+                 on_spent: Callable[[float], None]) -> None:
         self.entrants, self.result, self.shapes, self.on_result = entrants, result, shapes, on_result
+        self.on_spent = on_spent
         self.turns = [*entrants[1:], entrants[0]]  # the candidates first, as their warm-ups ran last
         self.call = start_call  # the part's calls so far
         self.first_timed = 0
@@ -479,6 +482,7 @@ class _Timing:
             e.times = []
         runner.swap_session(self.entrants[0].session)
         outputs = runner.run(args)  # the call's own run; it grows the memory for a new size, untimed
+        start = time.perf_counter()
         for e in self.entrants[1:]:
             runner.swap_session(e.session)
             try:
@@ -489,6 +493,9 @@ class _Timing:
         runner.swap_session(self.entrants[0].session)
         self.entrants[0].times.append(_time_once(runner, args))
         _settle(runner, args, self.entrants)
+        spent = time.perf_counter() - start  # runs beyond the call's own
+        self.result.seconds += spent
+        self.on_spent(spent)
         self.first_timed = self.call
         self._decide(runner)
         return outputs
@@ -511,24 +518,27 @@ class _Timing:
 def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResult], None],
               prebuilt: Sequence[concurrent.futures.Future] | None = None, follow: Follow | None = None,
               judge: Judge | None = None, pending: Callable[[], bool] | None = None,
+              on_spent: Callable[[float], None] = lambda seconds: None,
               ) -> Callable[[OrtRunner, Sequence[object]], list]:
     """The first-call hook for an ``OrtRunner`` (``runner.race``) measuring ``candidates`` against its session;
     ``prebuilt`` holds their sessions being built already (``prebuild``), in the same order. ``follow``
     names the winner of an earlier race on the same graph, if any (Note [Parts that are the same graph]);
     while ``pending`` says that race is still timing, the part waits for it on its own session. ``judge``
     gives the float64 outputs that decide a disagreement (Note [Float64 decides a disagreement]).
-    ``on_result`` is called once the race is decided (Note [The race times the next calls' own runs])."""
+    ``on_result`` is called once the race is decided (Note [The race times the next calls' own runs]);
+    ``on_spent`` with the seconds of each call's runs beyond its own (the checks), when they are spent."""
     calls = [0]
 
     def race(runner: OrtRunner, args: Sequence[object]) -> list:
-        start = time.perf_counter()
         calls[0] += 1
         first = runner.session_source
         reference = runner.run(args)  # the call's own run, and the first session's warm-up
+        start = time.perf_counter()  # what the race spends beyond the call's own run
         earlier = follow() if follow is not None else None
         if earlier is not None:
             followed = _follow(runner, args, reference, candidates, prebuilt, *earlier, start=start, call=calls[0])
             if followed is not None:
+                on_spent(followed.seconds)
                 on_result(followed)
                 return reference
         elif pending is not None and pending() and calls[0] < PENDING_CALLS:
@@ -580,12 +590,13 @@ def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResu
                 continue
             entrants.append(_Entrant(name, built.session, source, []))
         result.seconds = time.perf_counter() - start
+        on_spent(result.seconds)
         if len(entrants) == 1:  # nothing left to time against the first session
             result.runs = 0
             runner.shrink_arena_on_next_run()
             on_result(result)
             return reference
-        runner.race = _Timing(entrants, result, _shapes(args), on_result, calls[0])
+        runner.race = _Timing(entrants, result, _shapes(args), on_result, calls[0], on_spent)
         return reference
 
     return race
