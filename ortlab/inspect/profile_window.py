@@ -52,6 +52,15 @@ def _graph_parts(ortmodule: Any) -> list[tuple[str, Any, Any]]:
     return parts
 
 
+def measuring_parts(ortmodule: Any) -> int:
+    """How many onnxruntime parts are in the middle of their execution-provider race: their next calls
+    run the race's sessions, so a profiling twin swapped in now would be swapped out unprofiled
+    (``ortlab.runtime.race``); windows wait until they have decided."""
+    from ortlab.runtime.race import under_way
+
+    return sum(under_way(runner) for _, runner, _ in _graph_parts(ortmodule))
+
+
 _PROVENANCE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 

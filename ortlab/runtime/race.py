@@ -34,7 +34,7 @@ from ortlab.runtime.session import SessionSource
 if TYPE_CHECKING:
     from ortlab.runtime.runner import OrtRunner
 
-__all__ = ["RaceResult", "make_race", "prebuild", "REPEATS", "RTOL", "ATOL"]
+__all__ = ["RaceResult", "make_race", "prebuild", "under_way", "REPEATS", "RTOL", "ATOL"]
 
 REPEATS = 3
 LONG_RUN_S = 0.25
@@ -515,6 +515,13 @@ class _Timing:
         self.on_result(result)
 
 
+def under_way(runner: object) -> bool:
+    """Whether a race has begun on ``runner`` and not decided yet: its next calls check or time candidates
+    in place of its session (tools that swap a session of their own in, profiling twins, wait for it)."""
+    race = getattr(runner, "race", None)
+    return isinstance(race, _Timing) or getattr(race, "begun", False)
+
+
 def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResult], None],
               prebuilt: Sequence[concurrent.futures.Future] | None = None, follow: Follow | None = None,
               judge: Judge | None = None, pending: Callable[[], bool] | None = None,
@@ -531,6 +538,7 @@ def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResu
 
     def race(runner: OrtRunner, args: Sequence[object]) -> list:
         calls[0] += 1
+        race.begun = True  # type: ignore[attr-defined]  # under_way() while it waits to check
         first = runner.session_source
         reference = runner.run(args)  # the call's own run, and the first session's warm-up
         start = time.perf_counter()  # what the race spends beyond the call's own run

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from ortlab.inspect.memory import sample_memory
-from ortlab.inspect.profile_window import ProfileWindow
+from ortlab.inspect.profile_window import ProfileWindow, measuring_parts
 from ortlab.inspect.timeline_record import ARMED, RECORDING, TimelineRecorder
 from ortlab.ui._monitor_data import StepLog
 
@@ -97,6 +97,7 @@ class Schedule:
     ) -> None:
         self.module, self.log, self._steps = module, log, steps
         self.redraw_s, self.why_not, self.redraws = redraw_s, why_not, 0
+        self.held: str | None = None  # why the next profile window waits (the provider race), while it does
         self.due = math.inf
         self._redrawn_at = -math.inf
         self._first_drawn = False
@@ -276,14 +277,17 @@ class Schedule:
             # (measured: tiny MLP 7 ms, 2-layer GPT at 21 ms a step 75-85 ms).
             step_s = self.train_s / self.train_steps
             self.cost["profile"] = 0.4 * (self.profile_steps + 1) * step_s + 2 * step_s + 0.005
-        if (
+        due = (
             self.profiling
             and not (self.recorder is not None and self.recorder.busy)
             and (window is None or not window.active)
             and (self._force_profile or (n - self._last["window"] >= self.every and self.allowed("profile")))
-        ):
+        )
+        if due and not self._racing():
             self._force_profile = False
             profiling += self._start_window(n)
+        elif not due:
+            self.held = None
         if now - self._redrawn_at >= self.redraw_s and self._can_redraw() and self.allowed("redraw"):
             self._redraw_now()
         self._timeline_boundary(n, ending=False)
@@ -307,6 +311,14 @@ class Schedule:
     def _set_due(self, now: float) -> None:
         """When the clock makes the next check due: the next redraw, or a retry soon when the budget held it back."""
         self.due = max(self._redrawn_at + self.redraw_s, now + 0.1 * self.redraw_s) if self._can_redraw() else math.inf
+
+    def _racing(self) -> bool:
+        """Whether parts are still measuring their execution providers (their next calls run the race's
+        sessions, which would swap a profiling twin out unprofiled); ``held`` says so while they are."""
+        racing = measuring_parts(self.module) if self.module is not None else 0
+        self.held = (f"waiting for {racing} part(s) to finish measuring their execution providers (the "
+                     "race times them on their first calls)") if racing else None
+        return bool(racing)
 
     def _start_window(self, n: int) -> float:
         """Swap profiling sessions in for the next steps; returns the seconds it took."""

@@ -458,7 +458,7 @@ class Monitor:
 
     def _kernel_note(self) -> str:
         schedule = self._schedule
-        return kernel_note(self._log, schedule.why_not, schedule.window(), schedule.next_window())
+        return kernel_note(self._log, schedule.why_not or schedule.held, schedule.window(), schedule.next_window())
 
     def figure(self) -> Any:
         """A plain plotly Figure of everything recorded (after training, or from a file).

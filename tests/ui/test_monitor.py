@@ -346,6 +346,38 @@ def test_profile_now_ignores_the_budget():
         Monitor(om, profile=False).profile_now()
 
 
+def test_a_profile_window_waits_for_the_provider_race(monkeypatch):
+    """A part still measuring its providers runs the race's sessions on its next calls: a profiling twin
+    swapped in then would be swapped out unprofiled, so the window waits, and the kernel panel says why."""
+    from ortlab.runtime import race as race_module
+    from ortlab.runtime import session as session_module
+
+    # onnxruntime's Azure provider (it hands every node to the CPU provider) is a candidate that builds anywhere
+    monkeypatch.setattr(session_module, "cpu_candidates",
+                        lambda: (["CPUExecutionProvider", "AzureExecutionProvider"], {}))
+    real = race_module._timed_run
+    monkeypatch.setattr(race_module, "_timed_run", lambda r, a: (0.001 if r.session.get_providers()[0] ==
+                                                                 "CPUExecutionProvider" else 0.002, real(r, a)[1]))
+    om = ortlab.ORTModule(TinyMLP())
+    mon = monitor(om, every=1, profile_steps=2, show=False)
+    mon.profile_now()
+    def runners() -> list:
+        return [r for c in om.report.captures for g in c.graphs for r in g.runners]
+
+    notes, steps = [], 0
+    while steps < 20 and (steps == 0 or any(race_module.under_way(r) for r in runners())):
+        _train(om, 1, mon)  # the race checks its candidate on a call, then times the entrants on the next two
+        steps += 1
+        notes.append(mon._kernel_note())
+    assert not any(race_module.under_way(r) for r in runners()) and steps >= 3
+    assert any("kernels: waiting for 2 part(s) to finish measuring their execution providers" in n
+               for n in notes), notes
+    _train(om, 4, mon)
+    mon.close()
+    assert mon.profiles and mon.profiles[0]["step"] > steps, "the window opened once the race had decided"
+    assert not any(row["profiled"] for row in mon.data[:steps])
+
+
 def test_a_plain_module_can_be_watched_as_a_baseline():
     model = TinyMLP()
     mon = monitor(model, every=2, show=False, budget=None)
