@@ -44,7 +44,7 @@ from typing import Any
 
 from ortlab.errors import OrtlabError, first_line
 from ortlab.inspect.profile import load_events
-from ortlab.inspect.profile_window import _provenance_of
+from ortlab.inspect.profile_window import _provenance_of, measuring_parts
 from ortlab.inspect.timeline import SPAN_PREFIX, Timeline, TimelineEvent, place_kernels
 
 __all__ = ["TimelineRecorder", "build_timeline"]
@@ -72,6 +72,8 @@ class TimelineRecorder:
         state: ``idle``, ``armed``, ``warming`` or ``recording``.
         last: the last recorded :class:`Timeline`, or None.
         step: the number (from 1) of the step being (or to be) recorded.
+        waiting: why an armed recording waits ("" when it does not): parts still measuring their
+            execution providers (``ortlab.runtime.race``) run the race's sessions, not the twins.
     """
 
     def __init__(self, module: Any, warmup: int = 1, folder: str | None = None) -> None:
@@ -81,6 +83,7 @@ class TimelineRecorder:
         self.last: Timeline | None = None
         self.step = 0
         self._warm_left = 0
+        self.waiting = ""  # why an armed recording has not begun: parts still measuring their providers
         self._parts: list[tuple[str, Any, Any, Any, Any]] = []  # span label, runner, exported, original, twin
         self._profiler: Any = None
         self._step_span: Any = None
@@ -105,6 +108,13 @@ class TimelineRecorder:
         Call between steps only (never while a forward or backward runs).
         """
         if self.state == ARMED:
+            racing = measuring_parts(self.module) if hasattr(self.module, "report") else 0
+            if racing:
+                # The race runs its own sessions on these calls and would swap the twins out unrecorded.
+                self.waiting = f"{racing} part(s) are still measuring their execution providers"
+                self.step = n + 1 + (self.warmup if _parts_of(self.module) else 0)
+                return None
+            self.waiting = ""
             self._swap_twins_in()
             self._warm_left = self.warmup if self._parts else 0
             self.state = WARMING

@@ -351,8 +351,10 @@ class Monitor:
         if recorder is not None and recorder.last is not None:
             return recorder.last
         if recorder is not None and recorder.busy:
+            waits = f"; it waits while {recorder.waiting}" if recorder.waiting else ""
             raise OrtlabError(f"step {recorder.step} will be recorded as a timeline; it has not run yet "
-                              f"({self.steps} steps so far): train until it ends, then call mon.timeline() again.")
+                              f"({self.steps} steps so far{waits}): train until it ends, then call mon.timeline() "
+                              "again.")
         step = self.record_timeline()
         raise OrtlabError(f"no timeline recorded yet: step {step} will be recorded (after one warm-up step when "
                           "onnxruntime runs); train until it ends, then call mon.timeline() again.")

@@ -185,6 +185,37 @@ def test_timeline_without_a_recording_arms_one_and_says_which_step():
     mon.close()
 
 
+def test_a_timeline_waits_for_the_provider_race(monkeypatch):
+    """Parts still measuring their execution providers run the race's sessions, which would swap the
+    recorder's profiling twins out: an armed recording waits until they have decided, and says so."""
+    from ortlab.runtime import race as race_module
+    from ortlab.runtime import session as session_module
+
+    # onnxruntime's Azure provider (it hands every node to the CPU provider) is a candidate that builds anywhere
+    monkeypatch.setattr(session_module, "cpu_candidates",
+                        lambda: (["CPUExecutionProvider", "AzureExecutionProvider"], {}))
+    torch.manual_seed(0)
+    model = ortlab.ORTModule(GPT(CONFIG))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = ortlab.monitor(model, every=100, show=False)
+    _train(model, opt, 1)  # the race checks its candidate; the next calls time the entrants
+    runners = [r for c in model.report.captures for g in c.graphs for r in g.runners]
+    assert any(race_module.under_way(r) for r in runners)
+    mon.record_timeline()
+    _train(model, opt, 1)
+    with pytest.raises(OrtlabError, match=r"it waits while \d+ part\(s\) are still measuring their execution"):
+        mon.timeline()
+    steps = 2
+    while any(race_module.under_way(r) for r in runners) and steps < 20:
+        _train(model, opt, 1)
+        steps += 1
+    _train(model, opt, 3)  # the warm-up step, the recorded one, and the boundary that ends it
+    mon.detach()
+    timeline = mon.timeline()
+    assert timeline.step > steps and any(e.lane.startswith("onnxruntime") for e in timeline.events)
+    mon.close()
+
+
 # ----------------------------------------------------------------------------- pure parts
 def _ort(runs: list[tuple[int, int]], kernels: list[tuple[str, int, int]]) -> list[dict]:
     return ([{"cat": "Session", "name": "model_run", "ts": ts, "dur": dur} for ts, dur in runs]
