@@ -167,7 +167,13 @@ class ProfileWindow:
 
         if self._active:
             return len(self._active)
+        from ortlab.runtime.race import under_way
+
         for graph, runner, exported in _graph_parts(self.ortmodule):
+            if under_way(runner):  # the race's sessions run its next calls: a twin would be swapped out
+                logger.warning("ortlab: not profiling a part of %s: it is still measuring its execution providers "
+                               "(ortlab.runtime.race); open the window once it has decided", graph)
+                continue
             try:
                 twin = profiling_twin(runner, graph, self.folder)
                 original = runner.swap_session(twin)
