@@ -175,15 +175,24 @@ class _Entrant:
     times: list[float]
 
 
+def _again(entrants: list[_Entrant]) -> list[_Entrant]:
+    """The entrants to time once more (Note [The race times the next calls' own runs]): those within CLOSE of
+    the fastest median, while that is under LONG_RUN_S and one of them has fewer than REPEATS runs; none once
+    the race can be called."""
+    if len(entrants) < 2:
+        return []
+    medians = [statistics.median(e.times) for e in entrants]
+    fastest = min(medians)
+    close = [e for e, m in zip(entrants, medians) if m <= fastest * CLOSE]
+    if len(close) < 2 or fastest >= LONG_RUN_S or min(len(e.times) for e in close) >= REPEATS:
+        return []
+    return close
+
+
 def _settle(runner: OrtRunner, args: Sequence[object], entrants: list[_Entrant]) -> None:
-    """More timed runs on one call's inputs, taking turns, for the entrants too close to the fastest to call
-    (Note [The race times the next calls' own runs])."""
-    fastest = min(e.times[0] for e in entrants)
-    close = [e for e in entrants if e.times[0] <= fastest * CLOSE]
-    if len(close) < 2 or fastest >= LONG_RUN_S:
-        return
-    for _ in range(REPEATS - 1):
-        for e in close:
+    """More timed runs on one call's inputs, taking turns, for the entrants too close to the fastest to call."""
+    while again := _again(entrants):
+        for e in again:
             runner.swap_session(e.session)
             e.times.append(_time_once(runner, args))
 
@@ -465,15 +474,10 @@ class _Timing:
         return outputs
 
     def _next_round(self) -> list[_Entrant]:
-        """The entrants to time once more, in turn; none once the race is decided (see the Note)."""
-        if len(self.entrants) < 2:
-            return []
-        best = [statistics.median(e.times) for e in self.entrants]
-        fastest = min(best)
-        close = [e for e, t in zip(self.entrants, best) if t <= fastest * CLOSE]
-        if len(close) < 2 or fastest >= LONG_RUN_S or min(len(e.times) for e in close) >= REPEATS:
-            return []
-        return [*(e for e in self.entrants[1:] if e in close), self.entrants[0]]  # the same order each round
+        """The entrants to time once more, in turn, candidates first as in the first round; none once the race
+        is decided."""
+        again = _again(self.entrants)
+        return [e for e in [*self.entrants[1:], self.entrants[0]] if e in again]
 
     def _all_on(self, runner: OrtRunner, args: Sequence[object]) -> list:
         """Every entrant timed on this call's inputs (their earlier times, on other inputs, forgotten); the
