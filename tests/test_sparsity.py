@@ -73,6 +73,27 @@ def test_gpt_drops_the_ignored_rows_with_eagers_loss_and_gradients():
     assert "label sparsity" in tail.purpose and main.purpose == ""
     assert all(g.ort_partitions == 1 and g.torch_nodes == 0 for g in tail.graphs)
     assert not ort.report.fallbacks
+    # The loss's gradient is one expression over the saved log-probabilities (Note [The
+    # vocabulary-wide loss gradient in one pass]), not log_softmax's and nll_loss's eight passes.
+    backward = next(g for g in tail.graphs if g.name == "backward")
+    assert "ScatterElements" not in backward.onnx_ops and backward.onnx_ops.get("Exp") == 1, backward.onnx_ops
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_losss_gradient_is_cross_entropys(reduction):
+    """``_CrossEntropy`` gives ``F.cross_entropy``'s loss and gradient, ignored labels included
+    (float64, so that only the formula is compared)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 37, generator=g, dtype=torch.float64) * 4
+    labels = _labels(g, (12,), 37, 0.4)
+    mine, theirs = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = sparsity._CrossEntropy.apply(mine, labels, -100, reduction)
+    expected = F.cross_entropy(theirs, labels, ignore_index=-100, reduction=reduction)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    (loss * 3).backward()
+    (expected * 3).backward()
+    torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-12, atol=1e-12)
+    assert mine.grad[labels == -100].abs().sum() == 0
 
 
 def test_off_by_option():
