@@ -208,12 +208,14 @@ class _RowsLoss(torch.nn.Module):
 # give a backward of eight passes over the (rows x vocab) logits: zeros, a scatter of -1 at
 # each label, a multiply by the row's weight, a row sum of that, exp, another multiply, a
 # subtraction, and a transposed copy for the weight's gradient. At vocab 50257 that tensor is
-# 206 MB for 1024 rows, and those passes took longer than the head's two GEMMs: the tail's
-# backward ran 1.86 s on OpenVINO where eager's whole head and loss backward took ~1.0 s
-# (GPT-2-small-sized, 2-core Xeon). The gradient is (softmax - onehot(label)) * w, w the row's
-# weight (grad / counted labels for "mean", grad for "sum", 0 for an ignored label): written
-# so, it is one elementwise expression over the saved log-probabilities, which OpenVINO runs as
-# one fused pass (the CPU provider as five cheap ones), and the GEMMs read it as it is.
+# 206 MB for 1024 rows. The gradient is (softmax - onehot(label)) * w, w the row's weight
+# (grad / counted labels for "mean", grad for "sum", 0 for an ignored label): written so, it
+# is one elementwise expression over the saved log-probabilities (OpenVINO fuses it; the CPU
+# provider runs five passes, none of them a scatter), and the GEMMs read it as it is. The
+# tail's backward there (GPT-2-small-sized, 2-core Xeon, standalone runs of the saved graph):
+# the CPU provider's kernels other than the head's two GEMMs 455 -> 304-366 ms; OpenVINO's
+# whole run changed within the noise. The same comparison in the dense graph's nll_loss_backward
+# decomposition (zeros + scatter there) gained nothing on either provider and was not kept.
 class _CrossEntropy(torch.autograd.Function):
     """``cross_entropy(logits, labels, ignore_index, reduction)`` ("mean" or "sum", no label
     smoothing or class weights), with its gradient as one expression (Note above)."""
