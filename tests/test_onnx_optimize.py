@@ -76,7 +76,8 @@ def test_a_graph_without_two_slices_of_one_tensor_skips_slices_split(caplog: pyt
 
 
 def test_running_only_the_rules_that_can_fire_leaves_the_graph_of_optimize_ir(tmp_path):
-    """Note [Only the rewrite rules that can fire]: the same graph, node for node, as onnxscript's own
+    """Note [Only the rewrite rules that can fire] and Note [Shape inference only where a shape is missing]:
+    the same graph, node for node, as onnxscript's own
     optimize_ir on a tiny GPT's exported forward and backward."""
     import onnxscript.optimizer
     import torch

@@ -40,6 +40,19 @@ first, so no other node can match; ``_AtItsOp``): the GPT's two graphs 0.45 -> 0
 unrolled LSTM's backward above 11.4 -> 1.2 s, the same graphs node for node (tested).
 Reading a rule's pattern uses onnxscript's private ``_target_pattern``, and the filter wraps
 its ``try_rewrite``; a rule whose pattern cannot be read always runs, at every node.
+
+Note [Shape inference only where a shape is missing]
+Constant folding infers each node's output types with onnx's shape inference (serializing the
+node and its input types to protobuf, one call per node, on every round): on the GPT's
+backward, 1,349 calls and a quarter of the optimizer's time. torch.onnx's export gives most
+values a type and a static shape already, and inference cannot add to those (it merges what it
+infers into the known shape). ``_FoldConstants`` skips it at nodes whose outputs all have a type
+and a static shape; nodes torchlib's functions add without shapes, symbolic sizes and sequences
+are inferred as before. The graphs come out the same, node for node (tested against
+``optimize_ir``), with half the inference calls (the GPT's forward 658 -> 364, backward 1,349 ->
+719); the two graphs' optimizer 1.51 -> 1.27 s (medians of 6 alternating standalone runs on a
+noisy 2-core Xeon, each run 1.06-1.87 s). The override is of onnxscript's
+private ``_do_inference``: an onnxscript without it simply infers everywhere.
 """
 
 from __future__ import annotations
@@ -54,6 +67,17 @@ from onnxscript.optimizer import _constant_folding
 from onnxscript.rewriter import pattern
 
 __all__ = ["optimize"]
+
+
+class _FoldConstants(_constant_folding.FoldConstantsPass):
+    """onnxscript's constant folding, inferring shapes only where one is missing
+    (Note [Shape inference only where a shape is missing])."""
+
+    def _do_inference(self, node: ir.Node) -> None:
+        if node.outputs and all(o.type is not None and o.shape is not None and o.shape.is_static()
+                                for o in node.outputs):
+            return
+        super()._do_inference(node)
 
 
 def _rules_without(names: Collection[str]) -> list:
@@ -129,7 +153,7 @@ def _not_if_dropped_for_size(limit: int) -> Callable[[ir.Node], bool | None]:
 def optimize(model: ir.Model, leave_out: Collection[str] = (), num_iterations: int = 2) -> None:
     """``onnxscript.optimizer.optimize_ir(model)`` (its passes, in its order), running only the rewrite rules
     that can fire (Note [Only the rewrite rules that can fire]) and none of those named in ``leave_out``."""
-    fold = _constant_folding.FoldConstantsPass(
+    fold = _FoldConstants(
         shape_inference=True,
         input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
         output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
