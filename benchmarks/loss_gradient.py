@@ -1,4 +1,4 @@
-"""The label-sparsity tail's backward with the loss gradient as one expression, against the
+"""The label-sparsity tail's backward with the loss gradient as exp, a scatter-add and a multiply, against the
 gradient AOTAutograd derives from ``log_softmax`` + ``nll_loss`` (Note [The vocabulary-wide loss
 gradient in one pass] in ``ortlab/capture/sparsity.py``).
 
@@ -60,13 +60,19 @@ def saved_backward(variant: str, folder: str) -> str:
         sparsity._CrossEntropy = _Derived
     try:
         torch.manual_seed(0)
-        model = ortlab.ORTModule(Tail(), providers=["CPUExecutionProvider"], debug_options=ortlab.DebugOptions(
+        model = ortlab.ORTModule(Tail(), providers=["CPUExecutionProvider"], label_sparsity=False, debug_options=ortlab.DebugOptions(
             save_onnx=True, onnx_prefix=variant, save_path=folder))
-        h = torch.randn(rows, d, requires_grad=True)
-        model(h, torch.randint(0, vocab, (rows,))).backward()
+        h, labels = torch.randn(rows, d, requires_grad=True), torch.randint(0, vocab, (rows,))
+        # A symbolic row count, as label sparsity compiles its tail (the kept rows change per step).
+        torch._dynamo.mark_dynamic(h, 0)
+        torch._dynamo.mark_dynamic(labels, 0)
+        model(h, labels).backward()
     finally:
         sparsity._CrossEntropy = original
-    return os.path.join(folder, f"{variant}_backward_onnxscript_train.onnx")
+    path = os.path.join(folder, f"{variant}_backward_onnxscript_train.onnx")
+    if not os.path.exists(path):
+        raise SystemExit(f"no saved backward for {variant}: {sorted(os.listdir(folder))}")
+    return path
 
 
 def feeds(model: onnx.ModelProto) -> dict:

@@ -73,10 +73,12 @@ def test_gpt_drops_the_ignored_rows_with_eagers_loss_and_gradients():
     assert "label sparsity" in tail.purpose and main.purpose == ""
     assert all(g.ort_partitions == 1 and g.torch_nodes == 0 for g in tail.graphs)
     assert not ort.report.fallbacks
-    # The loss's gradient is one expression over the saved log-probabilities (Note [The
-    # vocabulary-wide loss gradient in one pass]), not log_softmax's and nll_loss's eight passes.
+    # The loss's gradient is exp, a scatter-add of -1 and a multiply (Note [The vocabulary-wide loss
+    # gradient in one pass]), not log_softmax's and nll_loss's seven passes (zeros, scatter, ..., Sub).
     backward = next(g for g in tail.graphs if g.name == "backward")
-    assert "ScatterElements" not in backward.onnx_ops and backward.onnx_ops.get("Exp") == 1, backward.onnx_ops
+    ops = backward.onnx_ops
+    assert "Sub" not in ops and "ConstantOfShape" not in ops, ops
+    assert (ops.get("Exp"), ops.get("ScatterElements"), ops.get("Mul")) == (1, 1, 1), ops
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])

@@ -205,17 +205,20 @@ class _RowsLoss(torch.nn.Module):
 
 # Note [The vocabulary-wide loss gradient in one pass]
 # AOTAutograd differentiates cross_entropy as log_softmax + nll_loss, and their decompositions
-# give a backward of eight passes over the (rows x vocab) logits: zeros, a scatter of -1 at
-# each label, a multiply by the row's weight, a row sum of that, exp, another multiply, a
-# subtraction, and a transposed copy for the weight's gradient. At vocab 50257 that tensor is
-# 206 MB for 1024 rows. The gradient is (softmax - onehot(label)) * w, w the row's weight
-# (grad / counted labels for "mean", grad for "sum", 0 for an ignored label): written so, it
-# is one elementwise expression over the saved log-probabilities (OpenVINO fuses it; the CPU
-# provider runs five passes, none of them a scatter), and the GEMMs read it as it is. The
-# tail's backward there (GPT-2-small-sized, 2-core Xeon, standalone runs of the saved graph):
-# the CPU provider's kernels other than the head's two GEMMs 455 -> 304-366 ms; OpenVINO's
-# whole run changed within the noise. The same comparison in the dense graph's nll_loss_backward
-# decomposition (zeros + scatter there) gained nothing on either provider and was not kept.
+# give a backward of seven passes over the (rows x vocab) logits: zeros, a scatter of -1 at
+# each label, a multiply by the row's weight, a row sum of that, exp, another multiply and a
+# subtraction. At vocab 50257 that tensor is 206 MB for 1024 rows. The gradient is
+# (softmax - onehot(label)) * w, w the row's weight (grad / counted labels for "mean", grad for
+# "sum", 0 for an ignored label): exp of the saved log-probabilities, -1 added at each label
+# (a scatter-add of one value per row, onto the exp's copy), and the multiply: three passes.
+# The tail's backward at vocab 50257, 1024 rows, symbolic row count, standalone sessions in turns
+# (``python benchmarks/loss_gradient.py``, 2-core Xeon): the CPU provider's kernels other than
+# the head's two GEMMs 303-365 -> 107-118 ms, the whole run 1.82-2.00 -> 1.57-1.66 s in the
+# second of two runs; OpenVINO 2.03-2.14 -> 1.85-1.90 s in the second, within the noise in the
+# first (``benchmarks/results/xeon-avx512/loss_gradient.txt``). Written instead as ``(exp - (classes == label)) * w`` (a comparison
+# with the class index, no scatter) it was 210-239 ms on the CPU provider. The same comparison
+# in the dense graph's nll_loss_backward decomposition gained nothing on either provider and
+# was not kept.
 class _CrossEntropy(torch.autograd.Function):
     """``cross_entropy(logits, labels, ignore_index, reduction)`` ("mean" or "sum", no label
     smoothing or class weights), with its gradient as one expression (Note above)."""
@@ -235,10 +238,10 @@ class _CrossEntropy(torch.autograd.Function):
         if ctx.reduction == "mean":
             grad = grad / counted.sum().to(grad.dtype)
         weight = torch.where(counted, grad, torch.zeros_like(grad))
-        target = torch.where(counted, labels, torch.zeros_like(labels))
-        classes = torch.arange(log_probs.shape[-1], device=log_probs.device)
-        onehot = (classes == target.unsqueeze(-1)).to(log_probs.dtype)
-        return (log_probs.exp() - onehot) * weight.unsqueeze(-1), None, None, None
+        target = torch.where(counted, labels, torch.zeros_like(labels)).unsqueeze(-1)
+        minus_one = torch.full(target.shape, -1.0, dtype=log_probs.dtype, device=log_probs.device)
+        # softmax - onehot: -1 added at each row's label (an ignored row's lands on class 0, times w = 0).
+        return log_probs.exp().scatter_add(-1, target, minus_one) * weight.unsqueeze(-1), None, None, None
 
 
 class _Tail(_RowsLoss):
