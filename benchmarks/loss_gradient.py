@@ -1,6 +1,6 @@
 """The label-sparsity tail's backward with the loss gradient as exp, a scatter-add and a multiply, against the
 gradient AOTAutograd derives from ``log_softmax`` + ``nll_loss`` (Note [The vocabulary-wide loss
-gradient in one pass] in ``ortlab/capture/sparsity.py``).
+gradient in three passes] in ``ortlab/capture/sparsity.py``).
 
 The tail (the LM head and its loss on the kept rows) is compiled both ways with ``DebugOptions``
 saving its graphs; each saved backward then runs alone in a session per provider, the two

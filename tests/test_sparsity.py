@@ -74,7 +74,7 @@ def test_gpt_drops_the_ignored_rows_with_eagers_loss_and_gradients():
     assert all(g.ort_partitions == 1 and g.torch_nodes == 0 for g in tail.graphs)
     assert not ort.report.fallbacks
     # The loss's gradient is exp, a scatter-add of -1 and a multiply (Note [The vocabulary-wide loss
-    # gradient in one pass]), not log_softmax's and nll_loss's seven passes (zeros, scatter, ..., Sub).
+    # gradient in three passes]), not log_softmax's and nll_loss's seven passes (zeros, scatter, ..., Sub).
     backward = next(g for g in tail.graphs if g.name == "backward")
     ops = backward.onnx_ops
     assert "Sub" not in ops and "ConstantOfShape" not in ops, ops

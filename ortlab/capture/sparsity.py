@@ -203,7 +203,7 @@ class _RowsLoss(torch.nn.Module):
                                label_smoothing=self.label_smoothing)
 
 
-# Note [The vocabulary-wide loss gradient in one pass]
+# Note [The vocabulary-wide loss gradient in three passes]
 # AOTAutograd differentiates cross_entropy as log_softmax + nll_loss, and their decompositions
 # give a backward of seven passes over the (rows x vocab) logits: zeros, a scatter of -1 at
 # each label, a multiply by the row's weight, a row sum of that, exp, another multiply and a
@@ -215,13 +215,14 @@ class _RowsLoss(torch.nn.Module):
 # (``python benchmarks/loss_gradient.py``, 2-core Xeon): the CPU provider's kernels other than
 # the head's two GEMMs 303-365 -> 107-118 ms, the whole run 1.82-2.00 -> 1.57-1.66 s in the
 # second of two runs; OpenVINO 2.03-2.14 -> 1.85-1.90 s in the second, within the noise in the
-# first (``benchmarks/results/xeon-avx512/loss_gradient.txt``). Written instead as ``(exp - (classes == label)) * w`` (a comparison
-# with the class index, no scatter) it was 210-239 ms on the CPU provider. The same comparison
+# first (``benchmarks/results/xeon-avx512/loss_gradient.txt``). Written instead as
+# ``(exp - (classes == label)) * w`` (a comparison with the class index, no scatter) it was
+# 210-239 ms on the CPU provider. The same comparison
 # in the dense graph's nll_loss_backward decomposition gained nothing on either provider and
 # was not kept.
 class _CrossEntropy(torch.autograd.Function):
     """``cross_entropy(logits, labels, ignore_index, reduction)`` ("mean" or "sum", no label
-    smoothing or class weights), with its gradient as one expression (Note above)."""
+    smoothing or class weights), with its gradient in three passes (Note above)."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int,  # type: ignore[override]
@@ -239,7 +240,7 @@ class _CrossEntropy(torch.autograd.Function):
             grad = grad / counted.sum().to(grad.dtype)
         weight = torch.where(counted, grad, torch.zeros_like(grad))
         target = torch.where(counted, labels, torch.zeros_like(labels)).unsqueeze(-1)
-        minus_one = torch.full(target.shape, -1.0, dtype=log_probs.dtype, device=log_probs.device)
+        minus_one = torch.full_like(target, -1, dtype=log_probs.dtype)
         # softmax - onehot: -1 added at each row's label (an ignored row's lands on class 0, times w = 0).
         return log_probs.exp().scatter_add(-1, target, minus_one) * weight.unsqueeze(-1), None, None, None
 
