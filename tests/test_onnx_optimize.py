@@ -75,22 +75,52 @@ def test_a_graph_without_two_slices_of_one_tensor_skips_slices_split(caplog: pyt
     np.testing.assert_array_equal(_run(exported, x), x[:, :4])
 
 
-def test_running_only_the_rules_that_can_fire_leaves_the_graph_of_optimize_ir(tmp_path):
+@pytest.fixture(scope="module")
+def gpt_stages(tmp_path_factory):
+    """The saved stages of a tiny GPT's first training step."""
+    import torch
+
+    from ortlab.models import GPT, GPTConfig
+
+    folder = tmp_path_factory.mktemp("gpt_stages")
+    torch.manual_seed(0)
+    om = ortlab.ORTModule(GPT(GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, block_size=16)),
+                          debug_options=ortlab.DebugOptions(save_onnx=True, onnx_prefix="g", save_path=str(folder)))
+    idx = torch.randint(0, 64, (2, 16))
+    om(idx, idx).backward()
+    return folder
+
+
+def test_every_node_onnxruntime_is_given_says_where_it_came_from(gpt_stages):
+    """The nodes torchlib's functions inline (the GELU backward's Erf) and those the constant folding
+    makes (the Split that replaces qkv.split's SplitToSequence + SequenceAt) carry the FX node, module and
+    source line, so the kernel table and the timeline name them."""
+    paths = sorted(gpt_stages.glob("g_*_onnxscript_train.onnx"))
+    assert len(paths) == 2, paths
+    for path in paths:
+        nodes = onnx.load(path, load_external_data=False).graph.node
+        props = {n.name: {p.key: p.value for p in n.metadata_props} for n in nodes}
+        missing = [(n.op_type, n.name) for n in nodes
+                   if not (props[n.name].get("ortlab.fx_node") and props[n.name].get("ortlab.source"))]
+        assert not missing, (path.name, missing)
+        assert "ortlab.module" in props[nodes[0].name]
+    forward = {n.op_type: {p.key: p.value for p in n.metadata_props}
+               for n in onnx.load(gpt_stages / "g_forward_onnxscript_train.onnx", load_external_data=False).graph.node}
+    assert forward["Split"]["ortlab.op"] == "aten.split" and forward["Split"]["ortlab.module"].startswith("blocks.")
+    backward = {n.op_type: {p.key: p.value for p in n.metadata_props}
+                for n in onnx.load(gpt_stages / "g_backward_onnxscript_train.onnx", load_external_data=False).graph.node}
+    assert backward["Erf"]["ortlab.op"] == "aten.erf" and backward["Erf"]["ortlab.module"].startswith("blocks.")
+
+
+def test_running_only_the_rules_that_can_fire_leaves_the_graph_of_optimize_ir(gpt_stages):
     """Note [Only the rewrite rules that can fire] and Note [Shape inference only where a shape is missing]:
     the same graph, node for node, as onnxscript's own
     optimize_ir on a tiny GPT's exported forward and backward."""
     import onnxscript.optimizer
-    import torch
 
     from ortlab._compat.onnxscript import optimize
-    from ortlab.models import GPT, GPTConfig
 
-    torch.manual_seed(0)
-    om = ortlab.ORTModule(GPT(GPTConfig(vocab=64, d_model=32, n_heads=2, n_layers=2, block_size=16)),
-                          debug_options=ortlab.DebugOptions(save_onnx=True, onnx_prefix="g", save_path=str(tmp_path)))
-    idx = torch.randint(0, 64, (2, 16))
-    om(idx, idx).backward()
-    paths = sorted(tmp_path.glob("g_*_exported_train.onnx"))
+    paths = sorted(gpt_stages.glob("g_*_exported_train.onnx"))
     assert len(paths) == 2, paths
 
     for path in paths:

@@ -79,6 +79,14 @@ class _FoldConstants(_constant_folding.FoldConstantsPass):
             return
         super()._do_inference(node)
 
+    def replace_node(self, node: ir.Node, replacement: object, root: object) -> None:
+        # A node made to replace another (SplitToSequence + SequenceAt folded into a Split)
+        # carries the replaced node's metadata: its provenance (ortlab.module, ortlab.source).
+        for new in replacement.new_nodes:
+            for key, value in node.metadata_props.items():
+                new.metadata_props.setdefault(key, value)
+        super().replace_node(node, replacement, root)
+
 
 def _rules_without(names: Collection[str]) -> list:
     return [rule for rule in rewriter._DEFAULT_REWRITE_RULES if getattr(rule, "name", None) not in names]

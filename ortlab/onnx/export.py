@@ -326,9 +326,17 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
 
     # torchlib's shape guesses for intermediate values can be wrong with symbolic
     # sizes (onnxruntime then warns on every run); let onnxruntime infer them.
+    for node in graph:
+        fx_node = node.meta.get("node")
+        if fx_node is not None:  # before inlining: a function's nodes get its call's metadata
+            node.metadata_props["ortlab.fx_node"] = fx_node.name
+            node.metadata_props["ortlab.op"] = op_name(fx_node)
+            node.metadata_props["ortlab.module"] = module_path(fx_node)
+            node.metadata_props["ortlab.source"] = source_line(fx_node)
     if model.functions:
         # onnxruntime would inline these itself, leaving nodes without names its
-        # errors could point at; inline them here so every node keeps provenance.
+        # errors could point at; inline them here so every node keeps provenance
+        # (onnx_ir's inliner gives each inlined node its call's metadata).
         InlinePass()(model)
     outputs = set(id(v) for v in graph.outputs)
     for index, node in enumerate(graph):
@@ -338,12 +346,6 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
         for v in node.outputs:
             if id(v) not in outputs:
                 v.shape = None
-        fx_node = node.meta.get("node")
-        if fx_node is not None:
-            node.metadata_props["ortlab.fx_node"] = fx_node.name
-            node.metadata_props["ortlab.op"] = op_name(fx_node)
-            node.metadata_props["ortlab.module"] = module_path(fx_node)
-            node.metadata_props["ortlab.source"] = source_line(fx_node)
     named = {n.name: n.meta[INPUT_KEY] for n in placeholders if n.meta.get(INPUT_KEY)}
     for value in graph.inputs:  # what each input is (blocks.0.ln1.weight): the views show it
         if value.name in named:
