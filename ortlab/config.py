@@ -197,8 +197,10 @@ class Options:
             once per reason; ``"raise"`` turns every fallback into a ``FallbackError``.
         fallback_ops: ops to run in PyTorch on purpose, e.g. ``["aten.gelu"]``, or
             only inside one module: ``["aten.gelu@blocks.0"]``.
-        providers: onnxruntime execution providers; by default CPU, or CUDA first when
-            inputs are on CUDA and onnxruntime-gpu is installed.
+        providers: onnxruntime execution providers, pinned for every graph, e.g.
+            ``["CPUExecutionProvider"]``. By default (None): on the CPU, each graph's first
+            calls measure the installed providers (the CPU provider, OpenVINO's plugin) and
+            keep the fastest; on CUDA inputs, CUDA first (onnxruntime-gpu).
         graph_optimization_level: onnxruntime's level: disable, basic, extended, all.
         dynamic: ``None`` (default): the first capture uses the example's sizes
             (fastest to capture and run); the first new size re-captures once with
@@ -292,6 +294,14 @@ class Options:
         if isinstance(self.fallback_ops, str):
             raise ConfigError(f"fallback_ops takes a list of op names, e.g. [{self.fallback_ops!r}].")
         self.fallback_ops = tuple(self.fallback_ops)
+        if isinstance(self.providers, str):  # tuple() would make a provider of every character
+            raise ConfigError(f"providers takes a list of execution providers, e.g. providers=[{self.providers!r}]; "
+                              "leave it out (None) to measure the installed ones and keep the fastest per graph.")
+        if self.providers is not None:
+            self.providers = tuple(self.providers)
+            if not self.providers or not all(isinstance(p, str) and p for p in self.providers):
+                raise ConfigError(f"providers must be non-empty provider names such as 'CPUExecutionProvider', "
+                                  f"got {self.providers!r}.")
         bad_ops = [s for s in self.fallback_ops if not isinstance(s, str) or not s]
         if bad_ops:
             raise ConfigError(f"fallback_ops entries must be non-empty op names such as 'aten.gelu', got {bad_ops!r}.")

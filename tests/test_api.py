@@ -182,3 +182,13 @@ def test_reconfigure_recaptures_with_new_options_and_keeps_weights():
     assert profile.endswith(".json")
     with pytest.raises(ortlab.ConfigError, match="valid options"):
         om.reconfigure(recompte="auto")
+
+
+def test_providers_as_one_string_is_a_clear_error_not_a_provider_per_character():
+    """``providers="CPUExecutionProvider"`` once became ('C', 'P', 'U', ...), and every graph fell back to PyTorch."""
+    with pytest.raises(ortlab.ConfigError, match=r"providers=\['CPUExecutionProvider'\]"):
+        ortlab.ORTModule(torch.nn.Linear(2, 2), providers="CPUExecutionProvider")
+    with pytest.raises(ortlab.ConfigError, match="non-empty provider names"):
+        ortlab.ORTModule(torch.nn.Linear(2, 2), providers=[])
+    assert ortlab.ORTModule(torch.nn.Linear(2, 2), providers=["CPUExecutionProvider"]).options.providers == (
+        "CPUExecutionProvider",)
