@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 from ortlab.config import DebugOptions
-from ortlab.stages import StageArtifact, file_name
+from ortlab.stages import ORT_LEVEL_STAGES, StageArtifact, file_name
 
 __all__ = ["FolderSink"]
 
@@ -28,6 +28,9 @@ class FolderSink:
     def __init__(self, folder: str, prefix: str, stages: frozenset[str] | None = None) -> None:
         self.folder, self.prefix, self.stages = folder, prefix, stages
         self.written: list[str] = []
+        # Each part's node provenance, from its onnxscript stage: onnxruntime's optimized models
+        # drop node metadata, and the files of those stages get it back (netron shows it).
+        self._provenance: dict[tuple, dict[str, dict[str, str]]] = {}
 
     @classmethod
     def from_debug(cls, debug: DebugOptions) -> FolderSink | None:
@@ -48,6 +51,24 @@ class FolderSink:
                 f.write(f"# ortlab stage {artifact.stage!r} ({artifact.mode})\n")
                 f.write(artifact.fx_code())
         else:
+            data = artifact.onnx_bytes()
+            key = (artifact.capture, artifact.mode, artifact.graph, artifact.part)
+            if artifact.stage == "onnxscript":
+                from ortlab.provenance import node_provenance
+
+                self._provenance[key] = node_provenance(artifact.content)
+            elif (artifact.stage in ORT_LEVEL_STAGES or artifact.stage == "execution") and key in self._provenance:
+                data = _with_provenance(data, self._provenance[key])
             with open(path, "wb") as f:
-                f.write(artifact.onnx_bytes())
+                f.write(data)
         self.written.append(path)
+
+
+def _with_provenance(data: bytes, provenance: dict[str, dict[str, str]]) -> bytes:
+    """``data`` (a serialized model onnxruntime optimized) with its nodes' ``ortlab.*`` metadata back."""
+    import onnx
+
+    from ortlab.provenance import restore_provenance
+
+    restored = restore_provenance(onnx.load_from_string(data), provenance)
+    return data if restored is None else restored.SerializeToString()

@@ -27,7 +27,7 @@ import torch.fx
 
 from ortlab._compat.torch import OpOverload, aot_input_origin, dynamo_input_source
 
-__all__ = ["module_path", "source_line", "op_name", "node_provenance", "restore_provenance", "onnx_node_of",
+__all__ = ["module_path", "source_line", "op_name", "node_provenance", "restore_provenance", "onnx_node_of", "added_beside",
            "onnx_node_index", "PROVENANCE_KEYS", "INPUT_KEY", "source_name", "input_names", "name_inputs"]
 
 # The metadata keys the exporter writes on every ONNX node.
@@ -153,6 +153,21 @@ def onnx_node_of(name: str) -> str:
     return name.split("/")[0]
 
 
+def added_beside(node: str, provenance: dict[str, dict[str, str]]) -> dict[str, str] | None:
+    """Provenance of a node onnxruntime added next to an exported one (``node_Reshape_3_new_reshape``):
+    the exported node with the longest name that ``node`` starts with (then ``_``); None for none.
+
+    Example:
+        >>> added_beside("node_Reshape_3_new_reshape", {"node_Reshape_3": {"module": "attn"}})
+        {'module': 'attn'}
+    """
+    best = ""
+    for name, prov in provenance.items():
+        if len(name) > len(best) and node.startswith(name + "_") and any(prov.values()):
+            best = name
+    return provenance[best] if best else None
+
+
 def _nodes_of(model: Any) -> Iterable[tuple[str, dict[str, str]]]:
     """(name, metadata) of every node of an onnx_ir Model or an onnx ModelProto."""
     graph = getattr(model, "graph", None)
@@ -222,7 +237,12 @@ def restore_provenance(model: Any, provenance: dict[str, dict[str, str]]) -> Any
     for node in out.graph.node:
         if any(p.key in PROVENANCE_KEYS for p in node.metadata_props):
             continue
-        for key, value in props.get(onnx_node_of(node.name), []):
+        name = onnx_node_of(node.name)
+        if name not in props:
+            beside = added_beside(name, provenance)
+            if beside is not None:
+                props[name] = [(f"ortlab.{k}", v) for k, v in beside.items() if v and f"ortlab.{k}" in PROVENANCE_KEYS]
+        for key, value in props.get(name, []):
             entry = node.metadata_props.add()
             entry.key, entry.value = key, value
             added += 1

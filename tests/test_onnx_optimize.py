@@ -112,6 +112,18 @@ def test_every_node_onnxruntime_is_given_says_where_it_came_from(gpt_stages):
     assert backward["Erf"]["ortlab.op"] == "aten.erf" and backward["Erf"]["ortlab.module"].startswith("blocks.")
 
 
+def test_the_saved_onnxruntime_stages_carry_the_provenance_onnxruntime_drops(gpt_stages):
+    """onnxruntime's optimized models lose node metadata; the saved ort_* and execution files get it back,
+    also on nodes onnxruntime adds beside an exported one (node_Reshape_3_new_reshape), so netron shows it."""
+    paths = sorted(gpt_stages.glob("g_*_ort_*_train.onnx")) + sorted(gpt_stages.glob("g_*_execution_train.onnx"))
+    assert len(paths) == 8, paths
+    for path in paths:
+        nodes = onnx.load(path, load_external_data=False).graph.node
+        missing = [(n.op_type, n.name) for n in nodes
+                   if not {p.key: p.value for p in n.metadata_props}.get("ortlab.source")]
+        assert not missing, (path.name, missing)
+
+
 def test_running_only_the_rules_that_can_fire_leaves_the_graph_of_optimize_ir(gpt_stages):
     """Note [Only the rewrite rules that can fire] and Note [Shape inference only where a shape is missing]:
     the same graph, node for node, as onnxscript's own

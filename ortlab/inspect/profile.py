@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from ortlab.provenance import node_provenance, onnx_node_of
+from ortlab.provenance import added_beside, node_provenance, onnx_node_of
 
 __all__ = [
     "NodeTime",
@@ -192,7 +192,7 @@ def provenance_of(node: str, provenance: dict[str, dict[str, str]]) -> dict[str,
         ''
     """
     known = provenance.get(node)
-    prov = known if known and any(known.values()) else _by_prefix(node, provenance)
+    prov = known if known and any(known.values()) else added_beside(node, provenance)
     if prov is None:
         return {"fx_node": "", "module": UNKNOWN_MODULE if provenance else "", "op": "", "source": ""}
     return dict(prov)
@@ -211,15 +211,6 @@ def _end_of_runs(events: Sequence[dict], skip_runs: int) -> float:
         return float("inf")
     ts, dur = runs[skip_runs - 1]
     return ts + dur
-
-
-def _by_prefix(node: str, provenance: dict[str, dict[str, str]]) -> dict[str, str] | None:
-    """Provenance of a node onnxruntime added next to an exported one (``node_Reshape_3_new_reshape``)."""
-    best = ""
-    for name, prov in provenance.items():
-        if len(name) > len(best) and node.startswith(name + "_") and any(prov.values()):
-            best = name
-    return provenance[best] if best else None
 
 
 def merge(*profiles: Iterable[NodeTime]) -> list[NodeTime]:
