@@ -314,6 +314,9 @@ class PartBuilder:
             return build_session(data, ctx.options, ctx.debug, device_type=ctx.device.type,
                                  providers=providers, threads=threads, optimized_path=target)
 
+        if providers and is_plugin(providers[0]):
+            return self._compiled_session(build, part, staged, wants, exported)
+
         def scratch() -> str | None:  # where the execution stage is written without the cache
             nonlocal temp
             if wants:
@@ -347,14 +350,48 @@ class PartBuilder:
             discard(temp)
         return built, staged
 
+    # Note [Sessions whose provider compiles the graph]
+    # onnxruntime cannot write the optimized model of a session whose provider compiles nodes
+    # (OpenVINO's plugin): "Unable to serialize model as it contains compiled nodes", and the session
+    # fails. Pinned to OpenVINO, saving the stages (DebugOptions(save_onnx=True)) had sent every graph
+    # to PyTorch, and a cache_dir had been taken for a folder that stopped taking writes. Such a
+    # session writes nothing: the cache entry and the execution stage hold the model the provider was
+    # given (its own preparation, Note [Wide MatMuls for OpenVINO]), from which a cache hit builds it
+    # again (OpenVINO's compiled blobs are cached in the same folder).
+    def _compiled_session(self, build: Callable[[str | None], BuiltSession], part: str, staged: str | None,
+                          wants: bool, exported: ExportedGraph) -> tuple[BuiltSession, str | None]:
+        """``_session`` for a provider that compiles the graph (Note [Sessions whose provider compiles the graph])."""
+        try:
+            try:
+                built = build(None)
+            except SessionError as e:
+                raise self._retry(e, exported) from e
+            self.record.session_s += built.seconds
+            model = built.source.model
+            if isinstance(model, str):
+                with open(model, "rb") as f:
+                    model = f.read()
+            if staged is not None:
+                with open(staged, "wb") as f:
+                    f.write(model)
+            if wants:
+                self.ctx.stages.emit(self._artifact("execution", part, model, built.seconds))
+        except BaseException:
+            discard(staged)
+            raise
+        return built, staged
+
     def _emit_levels(self, data: bytes, part: str) -> None:
         """The model at each onnxruntime level, for sinks that want them (one session each)."""
         ctx = self.ctx
+        providers = self.providers.providers
+        if providers and is_plugin(providers[0]):  # Note [Sessions whose provider compiles the graph]
+            providers = ("CPUExecutionProvider",)  # onnxruntime's own passes, as the CPU provider's graph
         for stage, level in ORT_LEVEL_STAGES.items():
             if not ctx.stages.wants(stage):
                 continue
             try:
-                model, seconds = optimized_model(data, ctx.options, ctx.debug, level, self.providers.providers)
+                model, seconds = optimized_model(data, ctx.options, ctx.debug, level, providers)
             except SessionError as e:  # a level may fail where the chosen one works; say so, keep going
                 logger.warning("ortlab: could not optimize %s at level %s: %s", self._label(part), level,
                                first_line(e))

@@ -683,3 +683,37 @@ def test_a_candidate_still_building_is_checked_on_a_later_call():
     _calls_until_decided(lambda: torch.testing.assert_close(om(x), eager(x)), lambda: [runner])
     (result,) = results
     assert len(result.times_ms) == 2 and result.calls[0] == 4  # checked on call 3, timed from call 4
+
+
+def test_pinned_openvino_saves_its_stages_and_caches_its_models(tmp_path, recwarn):
+    """Note [Sessions whose provider compiles the graph]: onnxruntime cannot write the optimized model of a
+    session OpenVINO compiles. Saving the stages had sent every graph to PyTorch, and a cache_dir had been
+    given up as a folder that takes no writes; both run on OpenVINO now, and a cache hit matches eager."""
+    from ortlab.models import MLP
+
+    _needs_openvino()
+    torch.manual_seed(0)
+    eager = MLP()
+    x, y = make_batch("mlp", 64)
+    F.cross_entropy(eager(x), y).backward()
+    saved = ortlab.ORTModule(MLP(), providers=["OpenVINOExecutionProvider"],
+                             debug_options=ortlab.DebugOptions(save_onnx=True, onnx_prefix="m",
+                                                               save_path=str(tmp_path / "stages")))
+    saved.load_state_dict(eager.state_dict())
+    F.cross_entropy(saved(x), y).backward()
+    graphs = saved.report.captures[0].graphs
+    assert not [f for g in graphs for f in g.fallbacks], [f for g in graphs for f in g.fallbacks]
+    assert all("OpenVINOExecutionProvider" in g.providers for g in graphs)
+    for name in ("m_forward_execution_train.onnx", "m_backward_execution_train.onnx", "m_forward_ort_all_train.onnx"):
+        assert (tmp_path / "stages" / name).stat().st_size > 0, name
+
+    for run in range(2):
+        om = ortlab.ORTModule(MLP(), providers=["OpenVINOExecutionProvider"], cache_dir=str(tmp_path / "cache"))
+        om.load_state_dict(eager.state_dict())
+        F.cross_entropy(om(x), y).backward()
+        graphs = om.report.captures[0].graphs
+        assert sum(g.cached for g in graphs) == (0 if run == 0 else 2), [g.cached for g in graphs]
+        assert all("OpenVINOExecutionProvider" in g.providers for g in graphs)
+        for (name, a), b in zip(om.module.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+    assert not [w for w in recwarn if "cache folder" in str(w.message) or "runs in PyTorch" in str(w.message)]
