@@ -29,6 +29,26 @@ against the CPU provider, which runs the unsplit model.
 This is ortlab's own pass, not an onnxscript rewrite rule: it depends on a static shape and on
 which provider will run the model, and applies to the plugin's model only.
 
+Note [Deep MatMuls for OpenVINO]
+The backward's input gradients are ``dY @ W``: B is the weight as PyTorch keeps it, ``[K, N]``
+with K the layer's output width, which OpenVINO's GEMM runs slowly when K is large against N.
+On the 2-core Intel Xeon without AMX (AVX-512), M=1024, f32, one MatMul alone in OpenVINO 2026.4
+(openvino's Python API, side by side; ``benchmarks/gemm_engines.py`` has the same through the plugin):
+
+    K      N     dY @ W   (W^T dY^T)^T   torch.mm (MKL)
+    3072   768    104 ms       62 ms        31 ms
+    2304   768     72 ms       56 ms        26 ms
+    50257  768   1537 ms      831 ms       (the LM head's input gradient, 1024 kept rows)
+    768    768     22 ms       26 ms        (not deep: left as it is)
+
+(OpenVINO's columns measured while another job loaded the machine, torch's on a quiet one; the
+ratios between OpenVINO's two forms are what counts). Computed as
+``Transpose(MatMul(Transpose(W), Transpose(dY)))``, OpenVINO folds both input transposes into its
+GEMM's fast layout and copies only the ``[M, N]`` result. The same dot products; only the order of
+the sums inside OpenVINO's kernel changes. A MatMul is turned when K >= 2048, K >= 2N and it is
+large enough (a symbolic M, as label sparsity's kept rows, counts as 256 rows); wide ones are split
+instead (above).
+
 Note [Scatters of nothing for OpenVINO]
 A ``ScatterND`` whose indices hold no index (shape ``[0, k]``: no update) returns its data as it
 is. The exporter writes one for each ``slice_scatter`` of an empty slice: Phi-3's backward has
@@ -52,12 +72,23 @@ __all__ = ["prepare_for_openvino", "MARK"]
 MARK = "ortlab.openvino_prepared"
 SLICE = 1024
 _MIN_WIDTH = 2048  # at most this wide: as fast as it gets
+_MIN_DEPTH = 2048  # Note [Deep MatMuls for OpenVINO]
+_MIN_WORK = 1 << 28  # multiply-adds: below this, the two transposes cost as much as they save
+_MIN_ROWS = 256
 
 
 def _slices(width: int) -> list[int] | None:
     if width <= _MIN_WIDTH or width % 4096 == 0:
         return None
     return [SLICE] * (width // SLICE) + ([width % SLICE] if width % SLICE else [])
+
+
+def _deep(a: list | None, b: list | None) -> bool:
+    """Whether ``a @ b`` (both 2-D, B's shape static) is deep (Note [Deep MatMuls for OpenVINO])."""
+    if a is None or b is None or len(a) != 2 or len(b) != 2 or None in b:
+        return False
+    (m, _), (k, n) = a, b  # a symbolic M (label sparsity's kept rows) counts as _MIN_ROWS
+    return k >= _MIN_DEPTH and k >= 2 * n and (m or _MIN_ROWS) * k * n >= _MIN_WORK
 
 
 def _empty_index_sets(graph: onnx.GraphProto, shapes: dict[str, list]) -> set[str]:
@@ -106,8 +137,9 @@ def _drop_empty_scatters(graph: onnx.GraphProto, shapes: dict[str, list]) -> int
 
 
 def prepare_for_openvino(model: bytes) -> bytes:
-    """``model`` with its slow-layout MatMuls split (Note [Wide MatMuls for OpenVINO]) and its scatters of
-    nothing dropped (Note [Scatters of nothing for OpenVINO]).
+    """``model`` with its slow-layout MatMuls split (Note [Wide MatMuls for OpenVINO]) or computed transposed
+    (Note [Deep MatMuls for OpenVINO]) and its scatters of nothing dropped (Note [Scatters of nothing for
+    OpenVINO]).
 
     Returns ``model`` itself (the same object) when nothing changes or it was prepared before.
     """
@@ -125,15 +157,31 @@ def prepare_for_openvino(model: bytes) -> bytes:
     for node in graph.node:
         for out in node.output:
             producer[out] = node
-    nodes, split = [], 0
+    nodes, split, turned = [], 0, 0
     for node in graph.node:
         b = node.input[1] if node.op_type == "MatMul" and len(node.input) == 2 else None
         shape = shapes.get(b) if b is not None else None
         made_by = producer.get(b) if b is not None else None
         sizes = _slices(shape[1]) if shape is not None and len(shape) == 2 and shape[1] else None
-        if (sizes is None or b in constant or (made_by is not None and made_by.op_type in ("Transpose", "Constant"))
+        if (b is None or b in constant or (made_by is not None and made_by.op_type in ("Transpose", "Constant"))
                 or node.domain not in ("", "ai.onnx")):
             nodes.append(node)
+            continue
+        if sizes is None:
+            if _deep(shapes.get(node.input[0]), shape):  # Note [Deep MatMuls for OpenVINO]
+                turned += 1
+                base = node.name or node.output[0]
+                made = [helper.make_node("Transpose", [b], [f"{base}__ov_bt"], name=f"{base}__ov_bt", perm=[1, 0]),
+                        helper.make_node("Transpose", [node.input[0]], [f"{base}__ov_at"], name=f"{base}__ov_at",
+                                         perm=[1, 0]),
+                        helper.make_node("MatMul", [f"{base}__ov_bt", f"{base}__ov_at"], [f"{base}__ov_yt"],
+                                         name=f"{base}__ov_mm"),
+                        helper.make_node("Transpose", [f"{base}__ov_yt"], list(node.output), name=base, perm=[1, 0])]
+                for m in made:
+                    m.metadata_props.extend(node.metadata_props)
+                nodes.extend(made)
+            else:
+                nodes.append(node)
             continue
         split += 1
         base = node.name or node.output[0]
@@ -147,11 +195,12 @@ def prepare_for_openvino(model: bytes) -> bytes:
         for m in made:
             m.metadata_props.extend(node.metadata_props)  # provenance (module, source line) stays with them
         nodes.extend(made)
-    if not split and not scatters:
+    if not split and not turned and not scatters:
         return model
     del graph.node[:]
     graph.node.extend(nodes)
     done = [f"{split} MatMul(s) split"] if split else []
+    done += [f"{turned} MatMul(s) computed transposed"] if turned else []
     done += [f"{scatters} ScatterND(s) without an index dropped"] if scatters else []
     proto.metadata_props.append(onnx.StringStringEntryProto(key=MARK, value=", ".join(done)))
     return proto.SerializeToString()

@@ -61,6 +61,42 @@ def test_a_wide_computed_matmul_is_split_into_slices_with_the_same_values():
     assert prepare_for_openvino(prepared) is prepared  # prepared once: recognised without parsing
 
 
+def _deep_model(m: int | str, k: int, n: int) -> bytes:
+    """``y = a @ relu(x)``, ``a`` ``[m, k]`` (``m`` may be symbolic), ``x`` ``[k, n]``."""
+    nodes = [helper.make_node("Relu", ["x"], ["b"]), helper.make_node("MatMul", ["a", "b"], ["y"], name="node_mm")]
+    nodes[1].metadata_props.append(onnx.StringStringEntryProto(key="ortlab.module", value="fc"))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [m, k]),
+                                           helper.make_tensor_value_info("x", TensorProto.FLOAT, [k, n])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])],
+                              value_info=[helper.make_tensor_value_info("b", TensorProto.FLOAT, [k, n])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+
+
+@pytest.mark.parametrize("m", [128, "rows"])
+def test_a_deep_computed_matmul_is_computed_transposed_with_the_same_values(m):
+    """Note [Deep MatMuls for OpenVINO]: dY @ W with K >= 2N runs as (W^T dY^T)^T; a symbolic M counts
+    as 256 rows (label sparsity's kept rows)."""
+    model = _deep_model(m, 4096, 512)
+    prepared = prepare_for_openvino(model)
+    proto = onnx.load_from_string(prepared)
+    onnx.checker.check_model(proto, full_check=True)
+    assert [n.op_type for n in proto.graph.node] == ["Relu", "Transpose", "Transpose", "MatMul", "Transpose"]
+    assert proto.graph.node[-1].output[0] == "y" and proto.graph.node[-1].name == "node_mm"
+    assert all({p.key: p.value for p in n.metadata_props}.get("ortlab.module") == "fc" for n in proto.graph.node[1:])
+    assert [p.value for p in proto.metadata_props if p.key == MARK] == ["1 MatMul(s) computed transposed"]
+    rng = np.random.default_rng(0)
+    feeds = {"a": rng.standard_normal((128, 4096), dtype=np.float32),
+             "x": rng.standard_normal((4096, 512), dtype=np.float32)}
+    np.testing.assert_allclose(_run(prepared, feeds), _run(model, feeds), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("m, k, n", [(128, 2048, 2048), (16, 4096, 512), (1024, 1024, 256)])
+def test_matmuls_that_are_not_deep_are_left_as_they_are(m, k, n):
+    """K below twice N, too little work, or K below 2048: the transposes would cost what they save."""
+    model = _deep_model(m, k, n)
+    assert prepare_for_openvino(model) is model
+
+
 @pytest.mark.parametrize("n, b_from", [(2048, "input"), (4096, "input"), (3072, "weight"), (3072, "transpose")])
 def test_matmuls_openvino_runs_fast_are_left_alone(n, b_from):
     """Narrow or 4096-multiple widths ran at full speed; a weight OpenVINO packs ahead, and a
@@ -83,6 +119,23 @@ def test_a_wide_feed_forward_trains_on_openvino_like_eager():
     assert backward.providers.startswith("OpenVINOExecutionProvider")
     held = backward.parts[0].runner.session_source.model
     assert isinstance(held, bytes) and MARK.encode() in held  # the session holds the prepared model
+
+
+def test_a_deep_feed_forward_trains_on_openvino_like_eager():
+    """Note [Deep MatMuls for OpenVINO]: the input gradient of Linear(256, 4096) at 256 tokens (a layer
+    before it needs it) is computed transposed in the model OpenVINO runs, and the step matches eager's."""
+    if "OpenVINOExecutionProvider" not in providers_module.plugin_eps():
+        pytest.skip(f"OpenVINO does not run here: {providers_module.plugin_notes().get('OpenVINOExecutionProvider')}")
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(32, 256), nn.Linear(256, 4096), nn.ReLU(), nn.Linear(4096, 256))
+    eager = copy.deepcopy(module)
+    om = ortlab.ORTModule(module, providers=["OpenVINOExecutionProvider"])
+    for step in range(2):
+        x = torch.randn(4, 64, 32, generator=torch.Generator().manual_seed(step))
+        run_step(eager, om, (x,), seed=step)
+    held = om.report.captures[0].graphs[1].parts[0].runner.session_source.model
+    done = [p.value for p in onnx.load_from_string(held).metadata_props if p.key == MARK]
+    assert done and "computed transposed" in done[0], done
 
 
 def _scatter_model(indices_shape: tuple[int, ...], *, result_is_output: bool) -> bytes:
