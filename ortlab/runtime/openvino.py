@@ -32,17 +32,17 @@ which provider will run the model, and applies to the plugin's model only.
 Note [Deep MatMuls for OpenVINO]
 The backward's input gradients are ``dY @ W``: B is the weight as PyTorch keeps it, ``[K, N]``
 with K the layer's output width, which OpenVINO's GEMM runs slowly when K is large against N.
-On the 2-core Intel Xeon without AMX (AVX-512), M=1024, f32, one MatMul alone in OpenVINO 2026.4
-(openvino's Python API, side by side; ``benchmarks/gemm_engines.py`` has the same through the plugin):
+On the 2-core Intel Xeon without AMX (AVX-512), M=1024, f32, one MatMul alone through the plugin,
+medians of 7 rounds in turns (``python benchmarks/gemm_engines.py``):
 
-    K      N     dY @ W   (W^T dY^T)^T   torch.mm (MKL)
-    3072   768    104 ms       62 ms        31 ms
-    2304   768     72 ms       56 ms        26 ms
-    50257  768   1537 ms      831 ms       (the LM head's input gradient, 1024 kept rows)
-    768    768     22 ms       26 ms        (not deep: left as it is)
+    K      N     dY @ W   (W^T dY^T)^T   torch.mm (MKL)   MLAS
+    3072   768    65.6 ms     36.1 ms        29.4 ms     43.3 ms
+    2304   768    33.9 ms     21.6 ms        25.3 ms     28.8 ms
+    50257  768     849 ms      375 ms         321 ms      437 ms   (the LM head's, 1024 kept rows)
+    768    768     7.5 ms      (not deep: left as it is; turned, 22 -> 26 ms in a run under load)
 
-(OpenVINO's columns measured while another job loaded the machine, torch's on a quiet one; the
-ratios between OpenVINO's two forms are what counts). Computed as
+The GPT-2-small-sized model's backward alone (saved graphs, standalone sessions in turns): the body
+3.78 -> 3.22 s, the LM head and loss 1.60 -> 1.15 s. Computed as
 ``Transpose(MatMul(Transpose(W), Transpose(dY)))``, OpenVINO folds both input transposes into its
 GEMM's fast layout and copies only the ``[M, N]`` result. The same dot products; only the order of
 the sums inside OpenVINO's kernel changes. A MatMul is turned when K >= 2048, K >= 2N and it is
