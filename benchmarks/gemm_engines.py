@@ -46,7 +46,8 @@ def _matmul(m: int, k: int, n: int, b_as_nk: bool, unprepared: bool = False) -> 
     y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, [m, n])
     if b_as_nk:
         b = helper.make_tensor_value_info("B", TensorProto.FLOAT, [n, k])
-        nodes = [helper.make_node("Transpose", ["B"], ["Bt"], perm=[1, 0]), helper.make_node("MatMul", ["A", "Bt"], ["Y"])]
+        nodes = [helper.make_node("Transpose", ["B"], ["Bt"], perm=[1, 0]),
+                 helper.make_node("MatMul", ["A", "Bt"], ["Y"])]
     else:
         b = helper.make_tensor_value_info("B", TensorProto.FLOAT, [k, n])
         nodes = [helper.make_node("MatMul", ["A", "B"], ["Y"])]

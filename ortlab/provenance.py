@@ -27,8 +27,8 @@ import torch.fx
 
 from ortlab._compat.torch import OpOverload, aot_input_origin, dynamo_input_source
 
-__all__ = ["module_path", "source_line", "op_name", "node_provenance", "restore_provenance", "onnx_node_of", "added_beside",
-           "onnx_node_index", "PROVENANCE_KEYS", "INPUT_KEY", "source_name", "input_names", "name_inputs"]
+__all__ = ["module_path", "source_line", "op_name", "node_provenance", "restore_provenance", "onnx_node_of",
+           "added_beside", "onnx_node_index", "PROVENANCE_KEYS", "INPUT_KEY", "source_name", "input_names", "name_inputs"]
 
 # The metadata keys the exporter writes on every ONNX node.
 PROVENANCE_KEYS = ("ortlab.fx_node", "ortlab.op", "ortlab.module", "ortlab.source")
@@ -229,8 +229,10 @@ def restore_provenance(model: Any, provenance: dict[str, dict[str, str]]) -> Any
     """
     import onnx
 
-    props = {name: [(f"ortlab.{k}", v) for k, v in prov.items() if v and f"ortlab.{k}" in PROVENANCE_KEYS]
-             for name, prov in provenance.items()}
+    def entries(prov: dict[str, str]) -> list[tuple[str, str]]:
+        return [(f"ortlab.{k}", v) for k, v in prov.items() if v and f"ortlab.{k}" in PROVENANCE_KEYS]
+
+    props = {name: entries(prov) for name, prov in provenance.items()}
     out = onnx.ModelProto()
     out.CopyFrom(model)
     added = 0
@@ -241,7 +243,7 @@ def restore_provenance(model: Any, provenance: dict[str, dict[str, str]]) -> Any
         if name not in props:
             beside = added_beside(name, provenance)
             if beside is not None:
-                props[name] = [(f"ortlab.{k}", v) for k, v in beside.items() if v and f"ortlab.{k}" in PROVENANCE_KEYS]
+                props[name] = entries(beside)
         for key, value in props.get(name, []):
             entry = node.metadata_props.add()
             entry.key, entry.value = key, value

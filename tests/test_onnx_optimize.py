@@ -104,11 +104,13 @@ def test_every_node_onnxruntime_is_given_says_where_it_came_from(gpt_stages):
                    if not (props[n.name].get("ortlab.fx_node") and props[n.name].get("ortlab.source"))]
         assert not missing, (path.name, missing)
         assert "ortlab.module" in props[nodes[0].name]
-    forward = {n.op_type: {p.key: p.value for p in n.metadata_props}
-               for n in onnx.load(gpt_stages / "g_forward_onnxscript_train.onnx", load_external_data=False).graph.node}
+    def by_op(name: str) -> dict[str, dict[str, str]]:
+        nodes = onnx.load(gpt_stages / name, load_external_data=False).graph.node
+        return {n.op_type: {p.key: p.value for p in n.metadata_props} for n in nodes}
+
+    forward = by_op("g_forward_onnxscript_train.onnx")
     assert forward["Split"]["ortlab.op"] == "aten.split" and forward["Split"]["ortlab.module"].startswith("blocks.")
-    backward = {n.op_type: {p.key: p.value for p in n.metadata_props}
-                for n in onnx.load(gpt_stages / "g_backward_onnxscript_train.onnx", load_external_data=False).graph.node}
+    backward = by_op("g_backward_onnxscript_train.onnx")
     assert backward["Erf"]["ortlab.op"] == "aten.erf" and backward["Erf"]["ortlab.module"].startswith("blocks.")
 
 
