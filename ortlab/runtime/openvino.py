@@ -91,6 +91,30 @@ def _deep(a: list | None, b: list | None) -> bool:
     return k >= _MIN_DEPTH and k >= 2 * n and (m or _MIN_ROWS) * k * n >= _MIN_WORK
 
 
+def _split(graph: onnx.GraphProto, node: onnx.NodeProto, b: str, sizes: list[int]) -> list[onnx.NodeProto]:
+    """``node`` (``a @ b``) as MatMuls over column slices of ``b``, concatenated (Note [Wide MatMuls for
+    OpenVINO])."""
+    base = node.name or node.output[0]
+    sizes_name = f"{base}__ov_slices"
+    graph.initializer.append(numpy_helper.from_array(np.array(sizes, dtype=np.int64), sizes_name))
+    pieces = [f"{base}__ov_b{i}" for i in range(len(sizes))]
+    products = [f"{base}__ov_mm{i}" for i in range(len(sizes))]
+    made = [helper.make_node("Split", [b, sizes_name], pieces, name=f"{base}__ov_split", axis=1)]
+    made += [helper.make_node("MatMul", [node.input[0], p], [o], name=o) for p, o in zip(pieces, products)]
+    made.append(helper.make_node("Concat", products, list(node.output), name=base, axis=-1))
+    return made
+
+
+def _turned(node: onnx.NodeProto, b: str) -> list[onnx.NodeProto]:
+    """``node`` (``a @ b``) as ``(b^T a^T)^T`` (Note [Deep MatMuls for OpenVINO])."""
+    base = node.name or node.output[0]
+    bt, at, yt = f"{base}__ov_bt", f"{base}__ov_at", f"{base}__ov_yt"
+    return [helper.make_node("Transpose", [b], [bt], name=bt, perm=[1, 0]),
+            helper.make_node("Transpose", [node.input[0]], [at], name=at, perm=[1, 0]),
+            helper.make_node("MatMul", [bt, at], [yt], name=f"{base}__ov_mm"),
+            helper.make_node("Transpose", [yt], list(node.output), name=base, perm=[1, 0])]
+
+
 def _empty_index_sets(graph: onnx.GraphProto, shapes: dict[str, list]) -> set[str]:
     """The names of constant or statically shaped ``ScatterND`` indices that hold no index."""
     constant = {i.name: list(i.dims) for i in graph.initializer}
@@ -165,33 +189,16 @@ def prepare_for_openvino(model: bytes) -> bytes:
         sizes = _slices(shape[1]) if shape is not None and len(shape) == 2 and shape[1] else None
         if (b is None or b in constant or (made_by is not None and made_by.op_type in ("Transpose", "Constant"))
                 or node.domain not in ("", "ai.onnx")):
+            made = None
+        elif sizes is not None:
+            made, split = _split(graph, node, b, sizes), split + 1
+        elif _deep(shapes.get(node.input[0]), shape):
+            made, turned = _turned(node, b), turned + 1
+        else:
+            made = None
+        if made is None:
             nodes.append(node)
             continue
-        if sizes is None:
-            if _deep(shapes.get(node.input[0]), shape):  # Note [Deep MatMuls for OpenVINO]
-                turned += 1
-                base = node.name or node.output[0]
-                made = [helper.make_node("Transpose", [b], [f"{base}__ov_bt"], name=f"{base}__ov_bt", perm=[1, 0]),
-                        helper.make_node("Transpose", [node.input[0]], [f"{base}__ov_at"], name=f"{base}__ov_at",
-                                         perm=[1, 0]),
-                        helper.make_node("MatMul", [f"{base}__ov_bt", f"{base}__ov_at"], [f"{base}__ov_yt"],
-                                         name=f"{base}__ov_mm"),
-                        helper.make_node("Transpose", [f"{base}__ov_yt"], list(node.output), name=base, perm=[1, 0])]
-                for m in made:
-                    m.metadata_props.extend(node.metadata_props)
-                nodes.extend(made)
-            else:
-                nodes.append(node)
-            continue
-        split += 1
-        base = node.name or node.output[0]
-        sizes_name = f"{base}__ov_slices"
-        graph.initializer.append(numpy_helper.from_array(np.array(sizes, dtype=np.int64), sizes_name))
-        pieces = [f"{base}__ov_b{i}" for i in range(len(sizes))]
-        products = [f"{base}__ov_mm{i}" for i in range(len(sizes))]
-        made = [helper.make_node("Split", [b, sizes_name], pieces, name=f"{base}__ov_split", axis=1)]
-        made += [helper.make_node("MatMul", [node.input[0], p], [o], name=o) for p, o in zip(pieces, products)]
-        made.append(helper.make_node("Concat", products, list(node.output), name=base, axis=-1))
         for m in made:
             m.metadata_props.extend(node.metadata_props)  # provenance (module, source line) stays with them
         nodes.extend(made)
