@@ -28,7 +28,7 @@ class FolderSink:
     def __init__(self, folder: str, prefix: str, stages: frozenset[str] | None = None) -> None:
         self.folder, self.prefix, self.stages = folder, prefix, stages
         self.written: list[str] = []
-        # Each part's node provenance, from its onnxscript stage: onnxruntime's optimized models
+        # Each part's node provenance, from its exported or onnxscript stage: onnxruntime's optimized models
         # drop node metadata, and the files of those stages get it back (netron shows it).
         self._provenance: dict[tuple, dict[str, dict[str, str]]] = {}
 
@@ -53,7 +53,7 @@ class FolderSink:
         else:
             data = artifact.onnx_bytes()
             key = (artifact.capture, artifact.mode, artifact.graph, artifact.part)
-            if artifact.stage == "onnxscript":
+            if artifact.stage in ("exported", "onnxscript"):  # onnxscript's, when it runs, replaces the export's
                 from ortlab.provenance import node_provenance
 
                 self._provenance[key] = node_provenance(artifact.content)

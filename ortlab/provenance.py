@@ -28,7 +28,8 @@ import torch.fx
 from ortlab._compat.torch import OpOverload, aot_input_origin, dynamo_input_source
 
 __all__ = ["module_path", "source_line", "op_name", "node_provenance", "restore_provenance", "onnx_node_of",
-           "added_beside", "onnx_node_index", "PROVENANCE_KEYS", "INPUT_KEY", "source_name", "input_names", "name_inputs"]
+           "added_beside", "onnx_node_index", "PROVENANCE_KEYS", "INPUT_KEY", "source_name", "input_names",
+           "name_inputs"]
 
 # The metadata keys the exporter writes on every ONNX node.
 PROVENANCE_KEYS = ("ortlab.fx_node", "ortlab.op", "ortlab.module", "ortlab.source")

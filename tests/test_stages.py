@@ -90,3 +90,22 @@ def test_first_step_report_logged_at_info(caplog):
     assert "forward" in report and "backward" in report and "ONNX ops" in report
     assert "fallbacks to PyTorch: none" in report and "graph breaks: none" in report
     assert om.report.first_call_s > 0
+
+
+def test_without_onnxscript_the_saved_onnxruntime_stages_carry_the_exports_provenance(tmp_path):
+    """graph_optimization_level="disable" skips onnxscript: the ort_* and execution files take their nodes'
+    provenance from the exported stage (all but a node onnxruntime adds without a name: a Cast here)."""
+    import onnx
+
+    from ortlab.models import TinyMLP, make_batch
+
+    om = ortlab.ORTModule(TinyMLP(), graph_optimization_level="disable",
+                          debug_options=ortlab.DebugOptions(save_onnx=True, onnx_prefix="m", save_path=str(tmp_path)))
+    x, y = make_batch("tiny", 8)
+    om(x, y).backward()
+    assert not list(tmp_path.glob("*_onnxscript_*.onnx"))
+    paths = sorted(tmp_path.glob("m_*_ort_all_train.onnx")) + sorted(tmp_path.glob("m_*_execution_train.onnx"))
+    assert len(paths) == 4, paths
+    for path in paths:
+        nodes = [n for n in onnx.load(path).graph.node if n.name]
+        assert nodes and all({p.key: p.value for p in n.metadata_props}.get("ortlab.source") for n in nodes), path.name

@@ -367,10 +367,7 @@ class PartBuilder:
             except SessionError as e:
                 raise self._retry(e, exported) from e
             self.record.session_s += built.seconds
-            model = built.source.model
-            if isinstance(model, str):
-                with open(model, "rb") as f:
-                    model = f.read()
+            model = built.source.model  # bytes: built from the exported model's bytes, as the provider prepared them
             if staged is not None:
                 with open(staged, "wb") as f:
                     f.write(model)
