@@ -49,6 +49,31 @@ the sums inside OpenVINO's kernel changes. A MatMul is turned when K >= 2048, K 
 large enough (a symbolic M, as label sparsity's kept rows, counts as 256 rows); wide ones are split
 instead (above).
 
+Note [Max pools' indices for OpenVINO]
+PyTorch's ``max_pool2d`` saves the index of each window's maximum for its backward, and the exporter
+writes it as ONNX ``MaxPool`` with its second output (torchlib adds a second, 1x1 ``MaxPool`` whose
+indices it subtracts to make them per image and channel). OpenVINO's CPU plugin (1.8.1) has no
+kernel of its own for that output: both ran on its reference implementation, 228 ms each in a
+ResNet-18 forward (batch 16, 64x64) whose 20 convolutions took 61 ms, so the race kept the whole
+forward on the CPU provider. The model OpenVINO is given computes both from the window's kh*kw
+strided slices of the input padded with -inf: ``ArgMax`` over them (the first maximum, as PyTorch's kernel scans the window row by row and
+keeps the first of equal values; ReLU's zeros make ties common), the window's offset added, then
+ONNX's flat index ``((n*C + c)*H + h)*W + w``; the values are the elements it picks (a ``MaxPool``
+without indices, or ``ReduceMax``, gives -FLT_MAX instead of -inf for a window of -inf and padding,
+on the CPU provider and on OpenVINO). A window whose maximum is -inf (every element -inf,
+or padding) gets the first element inside the input, as PyTorch's does. A window holding NaN may
+name another element than PyTorch's (its last NaN); the loss is NaN by then. Static shapes, 2-D,
+explicit pads and float32 only; other pools are left as they are.
+
+Note [Input gradients of convolutions for OpenVINO]
+ortlab's decomposition writes a convolution's input gradient as a GEMM and a ``Col2Im`` (Note
+[Convolution gradients as GEMMs] in ``ortlab/capture/decompositions.py``), the fastest form on the
+CPU provider. OpenVINO's plugin runs ``Col2Im`` on its reference implementation: 179 ms of a
+ResNet-18 backward's 388 (19 of them). For OpenVINO the pattern (``Col2Im(Transpose(Reshape(
+MatMul(Transpose(W), dY))))``, W the weight as ``[Co, Ci*kh*kw]``, dY as ``[Co, N*Ho*Wo]``) becomes
+the transposed convolution it stands for, ``ConvTranspose(dY, W)``, which the plugin runs with
+oneDNN's kernels: the same sums, in another order.
+
 Note [Scatters of nothing for OpenVINO]
 A ``ScatterND`` whose indices hold no index (shape ``[0, k]``: no update) returns its data as it
 is. The exporter writes one for each ``slice_scatter`` of an empty slice: Phi-3's backward has
@@ -115,6 +140,186 @@ def _turned(node: onnx.NodeProto, b: str) -> list[onnx.NodeProto]:
             helper.make_node("Transpose", [yt], list(node.output), name=base, perm=[1, 0])]
 
 
+def _constants(graph: onnx.GraphProto) -> dict[str, np.ndarray]:
+    """The values of the graph's initializers and ``Constant`` nodes that hold a small tensor."""
+    values = {i.name: numpy_helper.to_array(i) for i in graph.initializer if np.prod(i.dims) <= 16}
+    for node in graph.node:
+        if (node.op_type == "Constant" and node.output and node.attribute and node.attribute[0].name == "value"
+                and np.prod(node.attribute[0].t.dims) <= 16):
+            values[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    return values
+
+
+def _attrs(node: onnx.NodeProto) -> dict[str, object]:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _const(name: str, value: np.ndarray) -> onnx.NodeProto:
+    return helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(value, name))
+
+
+def _pool_indices(node: onnx.NodeProto, shapes: dict[str, list], types: dict[str, int]) -> list[onnx.NodeProto] | None:
+    """A ``MaxPool`` with indices as one without and its indices computed (Note [Max pools' indices for
+    OpenVINO]); ``None`` where it stays as it is."""
+    if (node.op_type != "MaxPool" or node.domain not in ("", "ai.onnx") or len(node.output) < 2
+            or not node.output[1] or types.get(node.input[0]) != onnx.TensorProto.FLOAT):
+        return None
+    x, y, a = shapes.get(node.input[0]), shapes.get(node.output[0]), _attrs(node)
+    if (x is None or y is None or len(x) != 4 or len(y) != 4 or None in x or None in y
+            or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", b"") or a.get("storage_order", 0) != 0):
+        return None
+    (n, c, h, w), (ho, wo) = x, y[2:]
+    kh, kw = a["kernel_shape"]
+    sh, sw = a.get("strides", [1, 1])
+    dh, dw = a.get("dilations", [1, 1])
+    pt, pl, _, _ = a.get("pads", [0, 0, 0, 0])
+    base = node.name or node.output[0]
+    names = iter(f"{base}__ov_{i}" for i in range(10_000))
+    made: list[onnx.NodeProto] = []
+
+    def add(op: str, inputs: list[str], **attrs: object) -> str:
+        out = next(names)
+        made.append(helper.make_node(op, inputs, [out], name=out, **attrs))
+        return out
+
+    def const(value: np.ndarray) -> str:
+        out = next(names)
+        made.append(_const(out, value))
+        return out
+
+    # padded with -inf up to the last window's end (ceil_mode windows may pass the input's end)
+    bottom = max(0, (ho - 1) * sh + (kh - 1) * dh + 1 - h - pt)
+    right = max(0, (wo - 1) * sw + (kw - 1) * dw + 1 - w - pl)
+    padded = add("Pad", [node.input[0], const(np.array([0, 0, pt, pl, 0, 0, bottom, right], np.int64)),
+                         const(np.array(-np.inf, np.float32))])
+    axes, steps = const(np.array([2, 3], np.int64)), const(np.array([sh, sw], np.int64))
+    at = const(np.array([2], np.int64))
+    windows = []
+    for i in range(kh):
+        for j in range(kw):
+            starts = const(np.array([i * dh, j * dw], np.int64))
+            ends = const(np.array([i * dh + (ho - 1) * sh + 1, j * dw + (wo - 1) * sw + 1], np.int64))
+            windows.append(add("Unsqueeze", [add("Slice", [padded, starts, ends, axes, steps]), at]))
+    stacked = add("Concat", windows, axis=2)
+    first = add("ArgMax", [stacked], axis=2, keepdims=0, select_last_index=0)
+    # The values are the elements picked: a MaxPool without indices, or ReduceMax, gives -FLT_MAX, not -inf,
+    # for a window of -inf and padding (onnxruntime's CPU provider and OpenVINO's alike).
+    made.append(helper.make_node("Squeeze", [add("GatherElements", [stacked, add("Unsqueeze", [first, at])], axis=2),
+                                             at], [node.output[0]], name=base))
+    offsets = np.arange(kh * kw)
+    rows = add("Add", [add("Gather", [const((offsets // kw * dh).astype(np.int64)), first]),
+                       const((np.arange(ho) * sh - pt).astype(np.int64).reshape(ho, 1))])
+    cols = add("Add", [add("Gather", [const((offsets % kw * dw).astype(np.int64)), first]),
+                       const((np.arange(wo) * sw - pl).astype(np.int64).reshape(1, wo))])
+    flat = add("Add", [add("Add", [add("Mul", [rows, const(np.array(w, np.int64))]), cols]),
+                       const((np.arange(n * c, dtype=np.int64) * h * w).reshape(n, c, 1, 1))])
+    # A window whose maximum is -inf: PyTorch's kernel keeps the first element inside the input.
+    top = np.arange(ho) * sh - pt
+    left = np.arange(wo) * sw - pl
+    top = np.where(top < 0, top + (-top + dh - 1) // dh * dh, top)
+    left = np.where(left < 0, left + (-left + dw - 1) // dw * dw, left)
+    inside = const((top.reshape(ho, 1) * w + left.reshape(1, wo)).astype(np.int64)
+                   + (np.arange(n * c, dtype=np.int64) * h * w).reshape(n, c, 1, 1))
+    empty = add("Equal", [node.output[0], const(np.array(-np.inf, np.float32))])
+    made.append(helper.make_node("Where", [empty, inside, flat], [node.output[1]], name=f"{base}__ov_indices"))
+    return made
+
+
+def _deconvolution(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], shapes: dict[str, list],
+                   constants: dict[str, np.ndarray]) -> list[onnx.NodeProto] | None:
+    """A convolution's input gradient, ``Col2Im`` of a GEMM, as the ``ConvTranspose`` it stands for (Note
+    [Input gradients of convolutions for OpenVINO]); ``None`` where the pattern is not there."""
+    if node.op_type != "Col2Im" or node.domain not in ("", "ai.onnx"):
+        return None
+    chain = [node]
+    for op, inp in (("Transpose", 0), ("Reshape", 0), ("MatMul", 0), ("Transpose", 0)):
+        found = producer.get(chain[-1].input[inp])
+        if found is None or found.op_type != op or found.domain not in ("", "ai.onnx"):
+            return None
+        chain.append(found)
+    _, turn, reshape, matmul, wt = chain
+    if _attrs(turn).get("perm") != [1, 0, 2] or _attrs(wt).get("perm") != [1, 0]:
+        return None
+    weight, grad = wt.input[0], matmul.input[1]
+    image, block, target = (constants.get(name) for name in (node.input[1], node.input[2], reshape.input[1]))
+    wshape, gshape = shapes.get(weight), shapes.get(grad)
+    if (image is None or block is None or target is None or image.shape != (2,) or block.shape != (2,)
+            or target.shape != (3,) or wshape is None or gshape is None or len(wshape) != 2 or len(gshape) != 2
+            or None in wshape or None in gshape):
+        return None
+    a = _attrs(node)
+    (hh, ww), (kh, kw) = (int(v) for v in image), (int(v) for v in block)
+    sh, sw = a.get("strides", [1, 1])
+    dh, dw = a.get("dilations", [1, 1])
+    pt, pl, pb, pr = a.get("pads", [0, 0, 0, 0])
+    (co, ckk), (co_g, cols) = wshape, gshape
+    target = [int(v) for v in target]
+    if target.count(-1) == 1 and 0 not in target:  # the exporter writes view(-1, N, L)
+        target[target.index(-1)] = ckk * cols // -int(np.prod(target))
+    c, (rows, batch, spots) = ckk // (kh * kw), target
+    ho, wo = (hh + pt + pb - dh * (kh - 1) - 1) // sh + 1, (ww + pl + pr - dw * (kw - 1) - 1) // sw + 1
+    extra = [hh - (sh * (ho - 1) + dh * (kh - 1) + 1 - pt - pb), ww - (sw * (wo - 1) + dw * (kw - 1) + 1 - pl - pr)]
+    if (c * kh * kw != ckk or co_g != co or rows != ckk or spots != ho * wo or batch * spots != cols
+            or not all(0 <= e < max(s, d) for e, s, d in zip(extra, (sh, sw), (dh, dw)))):
+        return None
+    base = node.name or node.output[0]
+    g4, d, w4 = f"{base}__ov_grad", f"{base}__ov_grad_nchw", f"{base}__ov_weight"
+    return [_const(f"{g4}_shape", np.array([co, batch, ho, wo], np.int64)),
+            helper.make_node("Reshape", [grad, f"{g4}_shape"], [g4], name=g4),
+            helper.make_node("Transpose", [g4], [d], name=d, perm=[1, 0, 2, 3]),
+            _const(f"{w4}_shape", np.array([co, c, kh, kw], np.int64)),
+            helper.make_node("Reshape", [weight, f"{w4}_shape"], [w4], name=w4),
+            helper.make_node("ConvTranspose", [d, w4], list(node.output), name=base, kernel_shape=[kh, kw],
+                             strides=[sh, sw], pads=[pt, pl, pb, pr], dilations=[dh, dw], output_padding=extra)]
+
+
+def _drop_unused(graph: onnx.GraphProto) -> None:
+    """Nodes whose results nothing reads any more (what a rewrite replaced); the order of the others is kept
+    (ortlab's guard nodes follow the nodes that read them)."""
+    producer = {out: i for i, node in enumerate(graph.node) for out in node.output}
+    live, pending = set(), [o.name for o in graph.output]
+    while pending:
+        i = producer.get(pending.pop())
+        if i is not None and i not in live:
+            live.add(i)
+            pending.extend(graph.node[i].input)
+    kept = [node for i, node in enumerate(graph.node) if i in live]
+    del graph.node[:]
+    graph.node.extend(kept)
+    read = {name for node in kept for name in node.input} | {o.name for o in graph.output}
+    initializers = [i for i in graph.initializer if i.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+
+
+def _rewrite_pools_and_deconvolutions(graph: onnx.GraphProto, shapes: dict[str, list], types: dict[str, int]) -> tuple[int, int]:
+    """Note [Max pools' indices for OpenVINO] and Note [Input gradients of convolutions for OpenVINO]: returns
+    how many pools and convolution gradients were rewritten."""
+    if not any(n.op_type in ("MaxPool", "Col2Im") for n in graph.node) or any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
+        return 0, 0
+    constants = _constants(graph)
+    producer = {out: node for node in graph.node for out in node.output}
+    nodes, pools, deconvolutions = [], 0, 0
+    for node in graph.node:
+        made = _pool_indices(node, shapes, types)
+        pools += made is not None
+        if made is None:
+            made = _deconvolution(node, producer, shapes, constants)
+            deconvolutions += made is not None
+        if made is None:
+            nodes.append(node)
+            continue
+        for m in made:
+            m.metadata_props.extend(node.metadata_props)
+        nodes.extend(made)
+    if pools or deconvolutions:
+        del graph.node[:]
+        graph.node.extend(nodes)
+        _drop_unused(graph)
+    return pools, deconvolutions
+
+
 def _empty_index_sets(graph: onnx.GraphProto, shapes: dict[str, list]) -> set[str]:
     """The names of constant or statically shaped ``ScatterND`` indices that hold no index."""
     constant = {i.name: list(i.dims) for i in graph.initializer}
@@ -171,11 +376,13 @@ def prepare_for_openvino(model: bytes) -> bytes:
         return model
     proto = onnx.load_from_string(model)
     graph = proto.graph
-    shapes = {}
+    shapes, types = {}, {}
     for v in [*graph.input, *graph.value_info, *graph.output]:
         dims = v.type.tensor_type.shape.dim
         shapes[v.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+        types[v.name] = v.type.tensor_type.elem_type
     scatters = _drop_empty_scatters(graph, shapes)
+    pools, deconvolutions = _rewrite_pools_and_deconvolutions(graph, shapes, types)
     constant = {i.name for i in graph.initializer}
     producer = {}
     for node in graph.node:
@@ -202,12 +409,14 @@ def prepare_for_openvino(model: bytes) -> bytes:
         for m in made:
             m.metadata_props.extend(node.metadata_props)  # provenance (module, source line) stays with them
         nodes.extend(made)
-    if not split and not turned and not scatters:
+    if not split and not turned and not scatters and not pools and not deconvolutions:
         return model
     del graph.node[:]
     graph.node.extend(nodes)
     done = [f"{split} MatMul(s) split"] if split else []
     done += [f"{turned} MatMul(s) computed transposed"] if turned else []
     done += [f"{scatters} ScatterND(s) without an index dropped"] if scatters else []
+    done += [f"{pools} MaxPool(s) with their indices computed"] if pools else []
+    done += [f"{deconvolutions} Col2Im(s) as ConvTranspose"] if deconvolutions else []
     proto.metadata_props.append(onnx.StringStringEntryProto(key=MARK, value=", ".join(done)))
     return proto.SerializeToString()

@@ -208,3 +208,130 @@ def test_an_empty_slice_scatter_trains_on_openvino_like_eager():
     backward = om.report.captures[0].graphs[1]
     assert backward.parts[0].runner.session.get_providers()[0] == "OpenVINOExecutionProvider"
     assert b"ScatterND(s) without an index dropped" in backward.parts[0].runner.session_source.model
+
+
+def _openvino_session(model: bytes) -> ort.InferenceSession | None:
+    """``model`` on OpenVINO's plugin where it runs here (whole, as ortlab builds it), else ``None``."""
+    if "OpenVINOExecutionProvider" not in providers_module.plugin_eps():
+        return None
+    from ortlab.config import Options
+    from ortlab.runtime.session import build_session
+
+    return build_session(model, Options(providers=["OpenVINOExecutionProvider"]), None, device_type="cpu",
+                         quiet=True).session
+
+
+def _pool_model(shape: tuple[int, ...], out: tuple[int, int], **attrs: object) -> bytes:
+    """``MaxPool(x)`` with its indices, both outputs typed (as the exporter's value_info has them)."""
+    n, c = shape[:2]
+    node = helper.make_node("MaxPool", ["x"], ["y", "i"], name="node_max_pool", **attrs)
+    node.metadata_props.append(onnx.StringStringEntryProto(key="ortlab.module", value="stem.pool"))
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, c, *out]),
+                               helper.make_tensor_value_info("i", TensorProto.INT64, [n, c, *out])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+
+
+@pytest.mark.parametrize("kernel, stride, padding, dilation, ceil_mode", [
+    (3, 2, 1, 1, False),  # ResNet's stem
+    (2, 2, 0, 1, True),  # ceil_mode: the last window passes the input's end
+    (3, 1, 1, 2, False),  # dilated: the first element inside the input is a dilation step in
+    (1, 1, 0, 1, False),  # torchlib's own 1x1 pool for the indices' offsets
+])
+def test_a_max_pools_indices_are_computed_as_pytorch_picks_them(kernel, stride, padding, dilation, ceil_mode):
+    """Note [Max pools' indices for OpenVINO]: the plugin ran MaxPool's indices on its reference kernel
+    (228 ms of a ResNet-18 forward); the model it is given computes them, and they are PyTorch's: the first
+    of equal values (ReLU's zeros), the first element inside the input where a window is all -inf."""
+    x = torch.relu(torch.randn(2, 3, 9, 9, generator=torch.Generator().manual_seed(0)))  # ties at 0
+    x[0, 1] = -float("inf")  # a plane of -inf: every window's maximum is -inf
+    x[1, 2, :4, :4] = -float("inf")  # -inf beside the padding
+    values, indices = torch.nn.functional.max_pool2d(x, kernel, stride, padding, dilation, ceil_mode,
+                                                     return_indices=True)
+    model = _pool_model(tuple(x.shape), tuple(values.shape[2:]), kernel_shape=[kernel] * 2, strides=[stride] * 2,
+                        pads=[padding] * 4, dilations=[dilation] * 2, ceil_mode=int(ceil_mode))
+    prepared = prepare_for_openvino(model)
+    proto = onnx.load_from_string(prepared)
+    onnx.checker.check_model(proto, full_check=True)
+    assert "MaxPool" not in {n.op_type for n in proto.graph.node}
+    assert all({p.key: p.value for p in n.metadata_props}.get("ortlab.module") == "stem.pool"
+               for n in proto.graph.node)
+    assert {p.key: p.value for p in proto.metadata_props} == {MARK: "1 MaxPool(s) with their indices computed"}
+    planes = (torch.arange(6).reshape(2, 3, 1, 1) * 81).expand_as(indices)  # ONNX's indices are flat
+    sessions = [ort.InferenceSession(prepared, providers=["CPUExecutionProvider"]), _openvino_session(prepared)]
+    for session in filter(None, sessions):
+        y, i = session.run(None, {"x": x.numpy()})
+        np.testing.assert_array_equal(y, values.numpy())
+        np.testing.assert_array_equal(i, (indices + planes).numpy())
+
+
+def test_pools_without_indices_or_static_shapes_are_left_as_they_are():
+    node = helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2])
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 2, 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+    assert prepare_for_openvino(model) is model
+    symbolic = _pool_model(("batch", 3, 8, 8), (4, 4), kernel_shape=[2, 2], strides=[2, 2])
+    assert prepare_for_openvino(symbolic) is symbolic
+
+
+def _input_gradient_model(n: int, c: int, co: int, size: int, k: int, stride: int, pad: int) -> bytes:
+    """A convolution's input gradient as ortlab's decomposition exports it: ``Col2Im(Transpose(Reshape(
+    MatMul(Transpose(W), dY))))``, W ``[Co, C*k*k]``, dY ``[Co, N*Ho*Wo]``."""
+    ho = (size + 2 * pad - k) // stride + 1
+    ints = {"img": [size, size], "blk": [k, k], "to3": [-1, n, ho * ho]}
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["wt", "dy"], ["m"]),
+             helper.make_node("Reshape", ["m", "to3"], ["r"]), helper.make_node("Transpose", ["r"], ["t"], perm=[1, 0, 2]),
+             helper.make_node("Col2Im", ["t", "img", "blk"], ["dx"], name="node_col2im", strides=[stride] * 2,
+                              pads=[pad] * 4, dilations=[1, 1])]
+    nodes[-1].metadata_props.append(onnx.StringStringEntryProto(key="ortlab.module", value="layer1.conv"))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("w", TensorProto.FLOAT, [co, c * k * k]),
+                     helper.make_tensor_value_info("dy", TensorProto.FLOAT, [co, n * ho * ho])],
+        [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [n, c, size, size])],
+        initializer=[numpy_helper.from_array(np.array(v, np.int64), name) for name, v in ints.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+
+
+@pytest.mark.parametrize("size, k, stride, pad", [(8, 3, 1, 1), (9, 3, 2, 1), (8, 1, 2, 0)])
+def test_a_convolutions_input_gradient_is_a_transposed_convolution_for_openvino(size, k, stride, pad):
+    """Note [Input gradients of convolutions for OpenVINO]: the plugin ran Col2Im on its reference kernel."""
+    model = _input_gradient_model(2, 4, 6, size, k, stride, pad)
+    prepared = prepare_for_openvino(model)
+    proto = onnx.load_from_string(prepared)
+    onnx.checker.check_model(proto, full_check=True)
+    assert [n.op_type for n in proto.graph.node if n.op_type not in ("Constant", "Reshape", "Transpose")] == \
+        ["ConvTranspose"]
+    assert not proto.graph.initializer  # the pattern's shapes went with it
+    assert {p.key: p.value for p in proto.metadata_props} == {MARK: "1 Col2Im(s) as ConvTranspose"}
+    rng = np.random.default_rng(0)
+    feeds = {name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim], dtype=np.float32)
+             for name, i in (("w", proto.graph.input[0]), ("dy", proto.graph.input[1]))}
+    expected = _run(model, feeds)
+    np.testing.assert_allclose(_run(prepared, feeds), expected, rtol=1e-5, atol=1e-5)
+    session = _openvino_session(prepared)
+    if session is not None:
+        np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_small_resnet_trains_on_openvino_like_eager():
+    """The stem's max pool (its indices) and the convolutions' input gradients in the model OpenVINO runs:
+    the step matches eager's, outputs and gradients."""
+    if "OpenVINOExecutionProvider" not in providers_module.plugin_eps():
+        pytest.skip(f"OpenVINO does not run here: {providers_module.plugin_notes().get('OpenVINOExecutionProvider')}")
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                           nn.Conv2d(8, 16, 3, 1, 1), nn.ReLU(), nn.Conv2d(16, 16, 3, 2, 1), nn.Flatten(),
+                           nn.Linear(16 * 2 * 2, 10))
+    eager = copy.deepcopy(module)
+    om = ortlab.ORTModule(module, providers=["OpenVINOExecutionProvider"])
+    for step in range(2):
+        x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(step))
+        run_step(eager, om, (x,), seed=step)
+    for name, buffer in eager.named_buffers():  # batch norm's running statistics
+        torch.testing.assert_close(dict(om.named_buffers())[name], buffer, rtol=1e-4, atol=1e-5)
+    graphs = om.report.captures[0].graphs
+    done = {g.name: [p.value for p in onnx.load_from_string(g.parts[0].runner.session_source.model).metadata_props
+                     if p.key == MARK] for g in graphs}
+    assert done["forward"] == ["1 MaxPool(s) with their indices computed"] or \
+        "MaxPool(s) with their indices computed" in done["forward"][0], done
+    assert "Col2Im(s) as ConvTranspose" in done["backward"][0], done
