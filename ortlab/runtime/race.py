@@ -243,11 +243,21 @@ def _disagreement(reference: list, outputs: list) -> str:
 # candidate's outputs disagree (and only then), the part's FX graph runs once in PyTorch in
 # float64 (float32 inputs, constants and dtype arguments widened), and the candidate is kept
 # if, for every float output that disagrees, its largest error beyond rtol * |truth| is
-# within twice the first session's plus atol; integer and boolean outputs must still be equal, and a graph
+# within twice the first session's plus atol, counted in the output's largest magnitude where that is
+# above 1 (as ``benchmarks/hf_architectures.py`` judges float32 conditioning: an element near zero
+# that sums products of the output's scale carries rounding errors of that scale, which rtol * |truth|
+# does not cover). ResNet-18's
+# last convolution output ([16, 512, 2, 2], values up to 3.07) on OpenVINO was 2.37e-5 from float64
+# beyond rtol, the CPU provider 6.83e-6: dropped by 0.2% of a fixed atol (2.366e-5 allowed) on one
+# batch and kept on another, and the forward ran 1.5x slower on the CPU provider. Eager PyTorch's
+# own answer there is 5.8e-6 from float64, and 5.7e-5 without oneDNN (PyTorch's plain convolution):
+# such spreads are float32's, not a wrong kernel's. Integer and boolean outputs must still be equal, and a graph
 # that cannot run in float64 (or whose inputs and outputs in float64 would not fit in half of
 # the memory free) leaves the candidate dropped as before. The report names every
 # candidate kept this way with both errors. (ResNet-18's forward, measured then: OpenVINO
-# 235 ms against the CPU provider's 66 ms, so the decision is now made on time.)
+# 235 ms against the CPU provider's 66 ms, so the decision is now made on time; since its max
+# pool's indices are computed for OpenVINO, Note [Max pools' indices for OpenVINO], 95-105 ms
+# against 124-158 ms on the 2-core Xeon without AMX.)
 Judge = Callable[[Sequence[object], Sequence[object]], "list | None"]
 
 
@@ -259,6 +269,15 @@ def _excess(values: torch.Tensor, truth: torch.Tensor, rtol: float) -> float:
     if err.numel() == 0:
         return 0.0
     return float(err.nan_to_num(nan=float("inf"), posinf=float("inf")).max())
+
+
+def _scale(truth: torch.Tensor) -> float:
+    """The output's largest magnitude, or 1 below it: what atol is counted in (Note [Float64 decides a
+    disagreement])."""
+    if truth.numel() == 0:
+        return 1.0
+    largest = float(truth.abs().max())
+    return largest if math.isfinite(largest) and largest > 1.0 else 1.0
 
 
 def _judged(reference: list, outputs: list, truth: list) -> tuple[bool, str]:
@@ -277,7 +296,8 @@ def _judged(reference: list, outputs: list, truth: list) -> tuple[bool, str]:
         if not isinstance(t, torch.Tensor) or t.shape != a.shape:
             return False, "float64 could not judge it (the graph did not run in float64 here)"
         ours, theirs = _excess(b, t, RTOL), _excess(a, t, RTOL)
-        allowed = 2 * max(theirs, 0.0) + ATOL if math.isfinite(theirs) else ATOL  # never "as bad as an inf"
+        atol = ATOL * _scale(t)
+        allowed = 2 * max(theirs, 0.0) + atol if math.isfinite(theirs) else atol  # never "as bad as an inf"
         if ours > allowed:
             return False, (f"further from float64 than the first session (largest error beyond rtol {ours:.3g}, "
                            f"the first session's {theirs:.3g})")

@@ -181,6 +181,22 @@ def test_an_overflowing_first_session_does_not_excuse_a_candidate():
     assert not _judged([torch.tensor([1, 2])], [torch.tensor([1, 3])], [torch.tensor([1, 2])])[0]  # integers: equal
 
 
+def test_float64_counts_atol_in_the_outputs_largest_magnitude():
+    """Note [Float64 decides a disagreement]: ResNet-18's last convolution on OpenVINO was 2.37e-5 from
+    float64 at an element near zero of an output reaching 3.07, the CPU provider 6.83e-6: float32's spread
+    at that scale, not a wrong kernel (3e-5 here, past a fixed atol); a real difference there is still dropped."""
+    from ortlab.runtime.race import _judged
+
+    truth = torch.tensor([3.07, -1.5, 1e-6], dtype=torch.float64)
+    first = (truth + torch.tensor([0.0, 0.0, 6.83e-6], dtype=torch.float64)).float()
+    assert _judged([first], [(truth + torch.tensor([0.0, 0.0, 3e-5], dtype=torch.float64)).float()], [truth])[0]
+    assert not _judged([first], [(truth + torch.tensor([0.0, 0.0, 1e-3], dtype=torch.float64)).float()], [truth])[0]
+    small = truth / 10  # below 1, atol counts as it is
+    first_small = (small + torch.tensor([0.0, 0.0, 6.83e-6], dtype=torch.float64)).float()
+    assert not _judged([first_small], [(small + torch.tensor([0.0, 0.0, 2.37e-5], dtype=torch.float64)).float()],
+                       [small])[0]
+
+
 def test_the_float64_judge_does_not_run_where_memory_is_short(monkeypatch):
     from ortlab.runtime import race as race_module
 
