@@ -274,38 +274,50 @@ def test_pools_without_indices_or_static_shapes_are_left_as_they_are():
     assert prepare_for_openvino(symbolic) is symbolic
 
 
-def _input_gradient_model(n: int, c: int, co: int, size: int, k: int, stride: int, pad: int) -> bytes:
+def _input_gradient_model(n: int, c: int, co: int, size: int, k: int, stride: int, pad: int,
+                          from_nchw: bool = False) -> bytes:
     """A convolution's input gradient as ortlab's decomposition exports it: ``Col2Im(Transpose(Reshape(
-    MatMul(Transpose(W), dY))))``, W ``[Co, C*k*k]``, dY ``[Co, N*Ho*Wo]``."""
+    MatMul(Transpose(W), dY))))``, W ``[Co, C*k*k]``, dY ``[Co, N*Ho*Wo]`` (given, or ``from_nchw``: a
+    reshaped transpose of dY as ``[N, Co, Ho, Wo]``, as in the exported backward)."""
     ho = (size + 2 * pad - k) // stride + 1
     ints = {"img": [size, size], "blk": [k, k], "to3": [-1, n, ho * ho]}
-    nodes = [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["wt", "dy"], ["m"]),
+    nodes, dy = [], helper.make_tensor_value_info("dy", TensorProto.FLOAT, [co, n * ho * ho])
+    if from_nchw:
+        ints["to2"] = [co, n * ho * ho]
+        nodes = [helper.make_node("Transpose", ["dy4"], ["dyt"], perm=[1, 0, 2, 3]),
+                 helper.make_node("Reshape", ["dyt", "to2"], ["dy"])]
+        dy = helper.make_tensor_value_info("dy4", TensorProto.FLOAT, [n, co, ho, ho])
+    nodes += [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["wt", "dy"], ["m"]),
              helper.make_node("Reshape", ["m", "to3"], ["r"]), helper.make_node("Transpose", ["r"], ["t"], perm=[1, 0, 2]),
              helper.make_node("Col2Im", ["t", "img", "blk"], ["dx"], name="node_col2im", strides=[stride] * 2,
                               pads=[pad] * 4, dilations=[1, 1])]
     nodes[-1].metadata_props.append(onnx.StringStringEntryProto(key="ortlab.module", value="layer1.conv"))
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("w", TensorProto.FLOAT, [co, c * k * k]),
-                     helper.make_tensor_value_info("dy", TensorProto.FLOAT, [co, n * ho * ho])],
+        nodes, "g", [helper.make_tensor_value_info("w", TensorProto.FLOAT, [co, c * k * k]), dy],
         [helper.make_tensor_value_info("dx", TensorProto.FLOAT, [n, c, size, size])],
-        initializer=[numpy_helper.from_array(np.array(v, np.int64), name) for name, v in ints.items()])
+        initializer=[numpy_helper.from_array(np.array(v, np.int64), name) for name, v in ints.items()],
+        value_info=[helper.make_tensor_value_info("dy", TensorProto.FLOAT, [co, n * ho * ho])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
 
 
-@pytest.mark.parametrize("size, k, stride, pad", [(8, 3, 1, 1), (9, 3, 2, 1), (8, 1, 2, 0)])
-def test_a_convolutions_input_gradient_is_a_transposed_convolution_for_openvino(size, k, stride, pad):
-    """Note [Input gradients of convolutions for OpenVINO]: the plugin ran Col2Im on its reference kernel."""
-    model = _input_gradient_model(2, 4, 6, size, k, stride, pad)
+@pytest.mark.parametrize("size, k, stride, pad, from_nchw", [
+    (8, 3, 1, 1, False), (9, 3, 2, 1, False), (8, 1, 2, 0, False), (8, 3, 1, 1, True)])
+def test_a_convolutions_input_gradient_is_a_transposed_convolution_for_openvino(size, k, stride, pad, from_nchw):
+    """Note [Input gradients of convolutions for OpenVINO]: the plugin ran Col2Im on its reference kernel.
+    Where dY is a reshaped transpose of dY as ``[N, Co, Ho, Wo]``, the ConvTranspose reads that."""
+    model = _input_gradient_model(2, 4, 6, size, k, stride, pad, from_nchw)
     prepared = prepare_for_openvino(model)
     proto = onnx.load_from_string(prepared)
     onnx.checker.check_model(proto, full_check=True)
     assert [n.op_type for n in proto.graph.node if n.op_type not in ("Constant", "Reshape", "Transpose")] == \
         ["ConvTranspose"]
+    if from_nchw:
+        assert [n.op_type for n in proto.graph.node] == ["Constant", "Reshape", "ConvTranspose"]
     assert not proto.graph.initializer  # the pattern's shapes went with it
     assert {p.key: p.value for p in proto.metadata_props} == {MARK: "1 Col2Im(s) as ConvTranspose"}
     rng = np.random.default_rng(0)
-    feeds = {name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim], dtype=np.float32)
-             for name, i in (("w", proto.graph.input[0]), ("dy", proto.graph.input[1]))}
+    feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim], dtype=np.float32)
+             for i in proto.graph.input}
     expected = _run(model, feeds)
     np.testing.assert_allclose(_run(prepared, feeds), expected, rtol=1e-5, atol=1e-5)
     session = _openvino_session(prepared)
