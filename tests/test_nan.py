@@ -1,4 +1,4 @@
-"""NaN goes through maximum and minimum as in PyTorch (ortlab/torchlib/translations.py).
+"""NaN goes through maximum, minimum and max pools as in PyTorch (ortlab/torchlib/translations.py).
 
 onnxruntime's ReduceMax/ArgMax skip NaN: on ``[1, nan, -2, .5]`` ``amax`` was 1.0 through
 onnxruntime where PyTorch gives nan (and the first NaN's index for argmax/max.dim).
@@ -38,6 +38,10 @@ OPS: dict[str, Callable[[torch.Tensor], object]] = {
     # index 1 before index 0 for [2, 2, -1, 5]; ONNX's TopK takes the lower index first).
     "topk": lambda t: tuple((t * 16 + torch.arange(t.shape[-1])).topk(2, dim=-1)),
     "max_pool1d": lambda t: F.max_pool1d(t.float().unsqueeze(0), 2),
+    # ONNX MaxPool skips NaN: [[nan, 0.32], [1.24, 1.24]] where PyTorch gave [[nan, nan], [nan, nan]]
+    "max_pool2d": lambda t: F.max_pool2d(t.float().reshape(1, 1, 3, 4), 2, 1, padding=1),
+    "max_pool2d_unbatched": lambda t: F.max_pool2d(t.float().reshape(1, 3, 4), 3, 2, padding=1, ceil_mode=True),
+    "max_pool3d": lambda t: F.max_pool3d(t.float().reshape(1, 1, 1, 3, 4), (1, 2, 2)),
     "clamp": lambda t: t.clamp(0, 1),
     "softmax": lambda t: t.float().softmax(-1),
 }

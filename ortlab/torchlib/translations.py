@@ -7,6 +7,13 @@ the index is the first NaN's), onnxruntime's ReduceMax/ArgMax skip it: on
 reduction as torchlib does and replace the result where the reduced values hold a NaN
 (``IsNaN``, one more reduction and a ``Where``; integer tensors keep torchlib's form).
 
+Max pools (``max_pool2d``/``max_pool3d`` with their indices, which every training graph and
+AOTAutograd's no-grad graphs use): ONNX ``MaxPool`` skips NaN too, on the CPU provider and on
+OpenVINO; a window holding one came out as the largest number beside it where PyTorch gives NaN.
+The translation takes torchlib's pool and puts NaN where a ``MaxPool`` of the input's NaN flags
+finds one. The indices of such a window stay the pool's (PyTorch's are its last NaN's): they only
+route the gradient of a loss that is NaN.
+
 ``index_put(..., accumulate=True)`` (an embedding's backward): torchlib emits
 ``ScatterND(reduction="add")``, which onnxruntime's CPU provider runs in parallel
 and loses updates when indices repeat (gradients off by 10-30 on repeated tokens,
@@ -130,6 +137,31 @@ def _with_index(reduce_op, arg_op):  # noqa: ANN001, ANN202
     return both
 
 
+def _pool_with_nan(torchlib_pool, spatial: int):  # noqa: ANN001, ANN202
+    """torchlib's ``max_pool{spatial}d_with_indices``, its values NaN where the window holds a NaN."""
+    from onnxscript.function_libs.torch_lib.ops.nn import _adjust_attributes_of_max_pool
+
+    def pool(self, kernel_size: Sequence[int], stride: Sequence[int] = (), padding: Sequence[int] = (0,) * spatial,  # noqa: ANN001, ANN202
+             dilation: Sequence[int] = (1,) * spatial, ceil_mode: bool = False):
+        values, indices = torchlib_pool.func(self, kernel_size, stride, padding, dilation, ceil_mode)
+        if not _floating(self):
+            return values, indices
+        kernel_shape, strides, pads, dilations = _adjust_attributes_of_max_pool(spatial, kernel_size, stride,
+                                                                                padding, dilation)
+        flags = op.CastLike(op.IsNaN(self), self)
+        unbatched = len(self.shape) == spatial + 1
+        if unbatched:
+            flags = op.Unsqueeze(flags, op.Constant(value_ints=[0]))
+        found, _ = op.MaxPool(flags, ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernel_shape, pads=pads,
+                              strides=strides)  # (onnxscript's optimizer drops the unused indices)
+        if unbatched:
+            found = op.Squeeze(found, op.Constant(value_ints=[0]))
+        has_nan = op.Greater(found, op.CastLike(op.Constant(value_float=0.0), found))
+        return op.Where(has_nan, op.CastLike(op.Constant(value_float=math.nan), values), values), indices
+
+    return pool
+
+
 def register(registry: object) -> None:
     """Add ortlab's translations to a torchlib registry (its custom ones win)."""
     aten = torch.ops.aten
@@ -146,5 +178,9 @@ def register(registry: object) -> None:
         aten.argmax.default: _arg(op.ArgMax),
         aten.argmin.default: _arg(op.ArgMin),
     }
+    from onnxscript.function_libs.torch_lib.ops import nn as torchlib_nn
+
+    nan_aware[aten.max_pool2d_with_indices.default] = _pool_with_nan(torchlib_nn.aten_max_pool2d_with_indices, 2)
+    nan_aware[aten.max_pool3d_with_indices.default] = _pool_with_nan(torchlib_nn.aten_max_pool3d_with_indices, 3)
     for target, fn in nan_aware.items():
         registry.register_op(target, fn)  # type: ignore[attr-defined]
