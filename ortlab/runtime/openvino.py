@@ -77,7 +77,23 @@ exported ``[Co, N*Ho*Wo]`` is a reshaped transpose of it (the weight gradient's 
 ResNet-18 (batch 16, 64x64), the backward's saved graph alone on the plugin: 252-296 -> 178-189 ms
 (the CPU provider: 249-305 ms). Tried and not kept: the weight gradient's patches (the padded
 input's strided Slices and their Concat, also on reference kernels, 37 ms) as one grouped
-convolution with a one-hot kernel: oneDNN's depthwise kernel and its reorders took 51 ms.
+convolution with a one-hot kernel: oneDNN's depthwise kernel and its reorders took 51 ms (see
+Note [Weight gradients of convolutions for OpenVINO] for what was kept).
+
+Note [Weight gradients of convolutions for OpenVINO]
+ortlab's decomposition writes a convolution's weight gradient as one GEMM of dY with the input's
+patches (the padded input's kh*kw strided windows, stacked and transposed: Note [Convolution
+gradients as GEMMs]). On OpenVINO's plugin the patches' strided Slices and Concat run on reference
+kernels (37 ms of a ResNet-18 backward). Where the output has at least 64 positions (Ho*Wo), its
+model computes the gradient as PyTorch's CPU kernels once did: a convolution of the padded input
+with dY, batch and channels swapped (the input as ``[C, N, H, W]``, dY as ``[Co, N, Ho, Wo]``
+kernels dilated by the stride), sliced to kh x kw and transposed to ``[Co, C*kh*kw]``. (1x1 kernels,
+whose patches are one slice, keep the GEMM: not measured.) One weight
+gradient alone through the plugin (batch 16, 3x3, medians of 7): 16x16 outputs 9.8 -> 4.8 ms, 8x8
+5.8 -> 4.1 ms, 8x8 with stride 2 5.2 -> 3.9 ms; 4x4 5.2 -> 8.7 ms and 2x2 4.9 -> 40 ms, so smaller
+outputs keep the GEMM. ResNet-18's backward alone, 8 of its 20 weight gradients swapped: 189 -> 176
+and 185 -> 166 ms (363 -> 286 and 412 -> 341 ms under load). The CPU provider's model keeps the GEMM (swapped, the
+same shapes took 77 ms against 48).
 
 Note [Scatters of nothing for OpenVINO]
 A ``ScatterND`` whose indices hold no index (shape ``[0, k]``: no update) returns its data as it
@@ -105,6 +121,7 @@ _MIN_WIDTH = 2048  # at most this wide: as fast as it gets
 _MIN_DEPTH = 2048  # Note [Deep MatMuls for OpenVINO]
 _MIN_WORK = 1 << 28  # multiply-adds: below this, the two transposes cost as much as they save
 _MIN_ROWS = 256
+_MIN_SPOTS = 64  # output positions (Ho*Wo) from which a swapped convolution beats the patches' GEMM
 
 
 def _slices(width: int) -> list[int] | None:
@@ -288,6 +305,107 @@ def _deconvolution(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], sh
                              strides=[sh, sw], pads=[pt, pl, pb, pr], dilations=[dh, dw], output_padding=extra)]
 
 
+def _window(value: str, producer: dict[str, onnx.NodeProto],
+            constants: dict[str, np.ndarray]) -> tuple[str, dict[int, tuple[int, int]]] | None:
+    """The 4-D tensor a chain of ``Slice`` nodes reads, and each sliced axis's (start, step); ``None`` where
+    a slice's arguments are not constants."""
+    sliced: dict[int, tuple[int, int]] = {}
+    node = producer.get(value)
+    while node is not None and node.op_type == "Slice" and node.domain in ("", "ai.onnx"):
+        names = [*node.input[1:], "", "", ""][:4]
+        starts, _, axes, steps = (constants.get(name) if name else None for name in names)
+        if starts is None or (names[2] and axes is None) or (names[3] and steps is None):
+            return None
+        axes = np.arange(len(starts)) if axes is None else axes
+        steps = np.ones(len(starts), np.int64) if steps is None else steps
+        for axis, start, step in zip(axes, starts, steps):
+            axis = int(axis) % 4
+            if axis in sliced or start < 0 or step < 1:
+                return None
+            sliced[axis] = (int(start), int(step))
+        value, node = node.input[0], producer.get(node.input[0])
+    return value, sliced
+
+
+def _stacked_windows(node: onnx.NodeProto | None, producer: dict[str, onnx.NodeProto], shapes: dict[str, list],
+                     constants: dict[str, np.ndarray]) -> tuple[str, tuple[int, ...]] | None:
+    """``node`` as the stack (``Concat`` on axis 2 of ``Unsqueeze``d strided slices) of one tensor's kh*kw
+    windows, ``[N, C, kh*kw, Ho, Wo]``: that tensor and ``(kh, kw, dh, dw, sh, sw)``."""
+    out = shapes.get(node.output[0]) if node is not None and node.output else None
+    if (node is None or node.op_type != "Concat" or _attrs(node).get("axis") not in (2, -3) or out is None
+            or len(out) != 5 or None in out or len(node.input) != out[2] or len(node.input) < 2):
+        return None
+    batch, channels, taps, ho, wo = out
+    source, starts, steps = None, [], set()
+    for value in node.input:
+        unsqueeze = producer.get(value)
+        if (unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or len(unsqueeze.input) != 2
+                or [int(a) for a in np.atleast_1d(constants.get(unsqueeze.input[1], np.array([])))] != [2]):
+            return None
+        found = _window(unsqueeze.input[0], producer, constants)
+        if found is None or (source is not None and found[0] != source):
+            return None
+        source, sliced = found
+        starts.append((sliced.get(2, (0, 1))[0], sliced.get(3, (0, 1))[0]))
+        steps.add((sliced.get(2, (0, 1))[1], sliced.get(3, (0, 1))[1]))
+    x = shapes.get(source)
+    if x is None or len(x) != 4 or None in x or x[:2] != [batch, channels] or len(steps) != 1:
+        return None
+    (sh, sw), rows, cols = steps.pop(), sorted({r for r, _ in starts}), sorted({c for _, c in starts})
+    kh, kw = len(rows), len(cols)
+    dh = rows[1] - rows[0] if kh > 1 else 1
+    dw = cols[1] - cols[0] if kw > 1 else 1
+    if (kh * kw != taps or starts != [(i * dh, j * dw) for i in range(kh) for j in range(kw)]
+            or (kh - 1) * dh + sh * (ho - 1) >= x[2] or (kw - 1) * dw + sw * (wo - 1) >= x[3]):
+        return None  # (the last window must lie inside the tensor)
+    return source, (kh, kw, dh, dw, sh, sw)
+
+
+def _swapped_weight_gradient(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], shapes: dict[str, list],
+                             types: dict[str, int], constants: dict[str, np.ndarray]) -> list[onnx.NodeProto] | None:
+    """A convolution's weight gradient, ``dY @ patches``, as a convolution of the input with dY, batch and
+    channels swapped (Note [Weight gradients of convolutions for OpenVINO]); ``None`` where the pattern is
+    not there or the output is small."""
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
+        return None
+    chain = []
+    for value, ops in ((node.input[0], ("Reshape", "Transpose")), (node.input[1], ("Reshape", "Transpose"))):
+        found = producer.get(value)
+        for op in ops:
+            if found is None or found.op_type != op:
+                return None
+            chain.append(found)
+            found = producer.get(found.input[0])
+        chain.append(found)
+    _, turned, _, _, cols_t, stack = chain
+    if _attrs(turned).get("perm") != [1, 0, 2, 3] or _attrs(cols_t).get("perm") != [0, 3, 4, 1, 2]:
+        return None
+    windows = _stacked_windows(stack, producer, shapes, constants)
+    grad, out = turned.input[0], shapes.get(node.output[0])
+    if windows is None or types.get(windows[0]) != onnx.TensorProto.FLOAT or out is None or len(out) != 2:
+        return None
+    source, (kh, kw, dh, dw, sh, sw) = windows
+    (batch, channels, _, _), dy = shapes[source], shapes.get(grad)
+    if dy is None or len(dy) != 4 or None in dy or dy[0] != batch or dy[2] * dy[3] < _MIN_SPOTS:
+        return None
+    co, ho, wo = dy[1], dy[2], dy[3]
+    if out != [co, channels * kh * kw] or [ho, wo] != shapes[stack.output[0]][3:]:
+        return None
+    base = node.name or node.output[0]
+    names = [f"{base}__ov_{what}" for what in ("input", "product", "kernel_size", "axes", "zero", "taps", "turned",
+                                             "shape")]
+    xt, product, size, axes, zero, taps, back, shape = names
+    return [helper.make_node("Transpose", [source], [xt], name=xt, perm=[1, 0, 2, 3]),
+            helper.make_node("Conv", [xt, turned.output[0]], [product], name=product, dilations=[sh, sw],
+                             strides=[dh, dw]),
+            _const(zero, np.array([0, 0], np.int64)), _const(size, np.array([kh, kw], np.int64)),
+            _const(axes, np.array([2, 3], np.int64)),
+            helper.make_node("Slice", [product, zero, size, axes], [taps], name=taps),
+            helper.make_node("Transpose", [taps], [back], name=back, perm=[1, 0, 2, 3]),
+            _const(shape, np.array(out, np.int64)),
+            helper.make_node("Reshape", [back, shape], list(node.output), name=base)]
+
+
 def _drop_unused(graph: onnx.GraphProto) -> None:
     """Nodes whose results nothing reads any more (what a rewrite replaced); the order of the others is kept
     (ortlab's guard nodes follow the nodes that read them)."""
@@ -307,15 +425,17 @@ def _drop_unused(graph: onnx.GraphProto) -> None:
     graph.initializer.extend(initializers)
 
 
-def _rewrite_pools_and_deconvolutions(graph: onnx.GraphProto, shapes: dict[str, list], types: dict[str, int]) -> tuple[int, int]:
-    """Note [Max pools' indices for OpenVINO] and Note [Input gradients of convolutions for OpenVINO]: returns
-    how many pools and convolution gradients were rewritten."""
-    if not any(n.op_type in ("MaxPool", "Col2Im") for n in graph.node) or any(
+def _rewrite_convolution_parts(graph: onnx.GraphProto, shapes: dict[str, list],
+                               types: dict[str, int]) -> tuple[int, int, int]:
+    """Note [Max pools' indices for OpenVINO], Note [Input gradients of convolutions for OpenVINO] and Note
+    [Weight gradients of convolutions for OpenVINO]: how many pools, input gradients and weight gradients
+    were rewritten."""
+    if not any(n.op_type in ("MaxPool", "Col2Im", "Concat") for n in graph.node) or any(
             a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in graph.node for a in n.attribute):
-        return 0, 0
+        return 0, 0, 0
     constants = _constants(graph)
     producer = {out: node for node in graph.node for out in node.output}
-    nodes, pools, deconvolutions = [], 0, 0
+    nodes, pools, deconvolutions, swapped = [], 0, 0, 0
     for node in graph.node:
         made = _pool_indices(node, shapes, types)
         pools += made is not None
@@ -323,16 +443,19 @@ def _rewrite_pools_and_deconvolutions(graph: onnx.GraphProto, shapes: dict[str, 
             made = _deconvolution(node, producer, shapes, constants)
             deconvolutions += made is not None
         if made is None:
+            made = _swapped_weight_gradient(node, producer, shapes, types, constants)
+            swapped += made is not None
+        if made is None:
             nodes.append(node)
             continue
         for m in made:
             m.metadata_props.extend(node.metadata_props)
         nodes.extend(made)
-    if pools or deconvolutions:
+    if pools or deconvolutions or swapped:
         del graph.node[:]
         graph.node.extend(nodes)
         _drop_unused(graph)
-    return pools, deconvolutions
+    return pools, deconvolutions, swapped
 
 
 def _empty_index_sets(graph: onnx.GraphProto, shapes: dict[str, list]) -> set[str]:
@@ -397,7 +520,7 @@ def prepare_for_openvino(model: bytes) -> bytes:
         shapes[v.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
         types[v.name] = v.type.tensor_type.elem_type
     scatters = _drop_empty_scatters(graph, shapes)
-    pools, deconvolutions = _rewrite_pools_and_deconvolutions(graph, shapes, types)
+    pools, deconvolutions, swapped = _rewrite_convolution_parts(graph, shapes, types)
     constant = {i.name for i in graph.initializer}
     producer = {}
     for node in graph.node:
@@ -424,7 +547,7 @@ def prepare_for_openvino(model: bytes) -> bytes:
         for m in made:
             m.metadata_props.extend(node.metadata_props)  # provenance (module, source line) stays with them
         nodes.extend(made)
-    if not split and not turned and not scatters and not pools and not deconvolutions:
+    if not split and not turned and not scatters and not pools and not deconvolutions and not swapped:
         return model
     del graph.node[:]
     graph.node.extend(nodes)
@@ -433,5 +556,6 @@ def prepare_for_openvino(model: bytes) -> bytes:
     done += [f"{scatters} ScatterND(s) without an index dropped"] if scatters else []
     done += [f"{pools} MaxPool(s) with their indices computed"] if pools else []
     done += [f"{deconvolutions} Col2Im(s) as ConvTranspose"] if deconvolutions else []
+    done += [f"{swapped} weight gradient(s) as a swapped Conv"] if swapped else []
     proto.metadata_props.append(onnx.StringStringEntryProto(key=MARK, value=", ".join(done)))
     return proto.SerializeToString()
