@@ -118,6 +118,9 @@ class GraphRecord:
     cached: int = 0
     fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)
+    # What the model an OpenVINO session holds was given beyond the graph ("7 MatMul(s) split, ..."):
+    # ortlab.runtime.openvino.preparation of each part's session, once per distinct answer.
+    prepared: list[str] = dataclasses.field(default_factory=list)
     # For inspection tools (profiling, divergence search, graph views); not part of the text report.
     graph_module: Any = dataclasses.field(default=None, repr=False, compare=False)
     parts: list[PartRecord] = dataclasses.field(default_factory=list, repr=False, compare=False)
@@ -321,6 +324,8 @@ class Report:
                     lines.append(f"             top ONNX ops: {top}")
                 if g.providers:
                     lines.append(f"             providers: {g.providers_now}")
+                for done in g.prepared:
+                    lines.append(f"             OpenVINO's model: {done} (ortlab/runtime/openvino.py)")
                 if g.threads:
                     lines.append(f"             threads: {g.threads}")
                 lines.extend(f"             note: {note}" for note in g.notes)

@@ -43,6 +43,7 @@ from ortlab.runtime.cache import (
 )
 from ortlab.runtime.kernels import missing_kernels
 from ortlab.runtime.observe import GraphObserver, observed_part
+from ortlab.runtime.openvino import preparation
 from ortlab.runtime.providers import is_plugin
 from ortlab.runtime.runner import OrtRunner
 from ortlab.runtime.race import RaceResult, float64_judge, make_race, prebuild
@@ -135,12 +136,19 @@ class PartBuilder:
         # would say what did not happen.
         self.record.providers = f"{now}; before measuring: {self._first_choice}" if self._measured else now
 
+    def _prepared(self, runner: OrtRunner) -> None:
+        """Record what the model of ``runner``'s session was given for its provider (Note [Wide MatMuls for
+        OpenVINO] and the others in ``ortlab/runtime/openvino.py``), for the report."""
+        what = preparation(getattr(runner.session_source, "model", None))
+        if what and what not in self.record.prepared:
+            self.record.prepared.append(what)
+
     def reset(self) -> None:
         """Forget the parts of a failed attempt (the graph is being split again)."""
         record = self.record
         record.onnx_ops, record.ort_partitions, record.parts = {}, 0, []
         record.providers, self._decided, self._structures, self._measured = self._first_choice, {}, set(), set()
-        self._instead = {}
+        self._instead, record.prepared = {}, []
 
     def __call__(self, gm: torch.fx.GraphModule, part: str) -> Callable[..., list]:
         """The callable of one part: its runner, or with an observer, the runner telling it of each call.
@@ -218,6 +226,7 @@ class PartBuilder:
         float64, decides a disagreement (Note [Float64 decides a disagreement])."""
         if not self.providers.candidates and runner.session_source is not None:
             # Nothing to measure: the line names what runs (part by part where parts differ).
+            self._prepared(runner)
             if part in self._instead:
                 self._decide(part, ("CPUExecutionProvider",), self._instead[part], measured=False)
             else:
@@ -225,6 +234,7 @@ class PartBuilder:
         if not self.providers.candidates or runner.session_source is None:
             return
         if self.ctx.options.profile:
+            self._prepared(runner)
             # profile=True profiles every run from the first: a race would swap in an unprofiled
             # session and leave its own runs in the profile. The profiling windows of the monitor
             # (and collect_profile) build twins of whichever provider won, so they can measure.
@@ -253,6 +263,7 @@ class PartBuilder:
 
         def decided(result: RaceResult) -> None:
             record.notes.append(f"{where} providers: {result.describe()}")
+            self._prepared(runner)
             if result.chosen:
                 how = (f"(as measured on {result.followed}, the same graph)" if result.followed
                        else "(measured fastest on its first calls)")
@@ -439,6 +450,7 @@ class PartBuilder:
                            cached.output_sources, ctx.device, built.source, cached.guards)
         runner.provenance = cached.provenance
         if decision is not None:
+            self._prepared(runner)
             self._decide(part, decision.chosen, "(as measured in an earlier process, stored with the cache entry)",
                          measured=False)
             self.record.notes.append(f"{self._label(part)} providers: {'+'.join(decision.chosen)}, as measured "

@@ -1,5 +1,7 @@
-"""The model OpenVINO's CPU plugin is given: MatMuls whose layout its GEMM runs slowly, split, and scatters
-of nothing, which it refuses, dropped (torch-free: the on-device runtime builds sessions without PyTorch).
+"""The model OpenVINO's CPU plugin is given: MatMuls whose layout its GEMM runs slowly, split or turned;
+max pools' indices and convolutions' gradients in forms it has kernels for (its reference kernels ran
+them); and scatters of nothing, which it refuses, dropped (torch-free: the on-device runtime builds
+sessions without PyTorch).
 
 Note [Wide MatMuls for OpenVINO]
 OpenVINO's CPU plugin (the one in ``onnxruntime-ep-openvino`` 1.8.1, and openvino 2026.4 alone)
@@ -56,8 +58,9 @@ indices it subtracts to make them per image and channel). OpenVINO's CPU plugin 
 kernel of its own for that output: both ran on its reference implementation, 228 ms each in a
 ResNet-18 forward (batch 16, 64x64) whose 20 convolutions took 61 ms, so the race kept the whole
 forward on the CPU provider. The model OpenVINO is given computes both from the window's kh*kw
-strided slices of the input padded with -inf: ``ArgMax`` over them (the first maximum, as PyTorch's kernel scans the window row by row and
-keeps the first of equal values; ReLU's zeros make ties common), the window's offset added, then
+strided slices of the input padded with -inf: ``ArgMax`` over them (the first maximum, as PyTorch's
+kernel scans the window row by row and keeps the first of equal values; ReLU's zeros make ties
+common), the window's offset added, then
 ONNX's flat index ``((n*C + c)*H + h)*W + w``; the values are the elements it picks (a ``MaxPool``
 without indices, or ``ReduceMax``, gives -FLT_MAX instead of -inf for a window of -inf and padding,
 on the CPU provider and on OpenVINO). A window whose maximum is -inf (every element -inf,
@@ -87,12 +90,12 @@ gradients as GEMMs]). On OpenVINO's plugin the patches' strided Slices and Conca
 kernels (37 ms of a ResNet-18 backward). Where the output has at least 64 positions (Ho*Wo), its
 model computes the gradient as PyTorch's CPU kernels once did: a convolution of the padded input
 with dY, batch and channels swapped (the input as ``[C, N, H, W]``, dY as ``[Co, N, Ho, Wo]``
-kernels dilated by the stride), sliced to kh x kw and transposed to ``[Co, C*kh*kw]``. (1x1 kernels,
-whose patches are one slice, keep the GEMM: not measured.) One weight
+kernels dilated by the stride), sliced to kh x kw and transposed to ``[Co, C*kh*kw]``. One weight
 gradient alone through the plugin (batch 16, 3x3, medians of 7): 16x16 outputs 9.8 -> 4.8 ms, 8x8
 5.8 -> 4.1 ms, 8x8 with stride 2 5.2 -> 3.9 ms; 4x4 5.2 -> 8.7 ms and 2x2 4.9 -> 40 ms, so smaller
-outputs keep the GEMM. ResNet-18's backward alone, 8 of its 20 weight gradients swapped: 189 -> 176
-and 185 -> 166 ms (363 -> 286 and 412 -> 341 ms under load). The CPU provider's model keeps the GEMM (swapped, the
+outputs keep the GEMM, and so do 1x1 kernels (their patches are one slice; not measured).
+ResNet-18's backward alone, 8 of its 20 weight gradients swapped: 189 -> 176 and 185 -> 166 ms
+(363 -> 286 and 412 -> 341 ms under load). The CPU provider's model keeps the GEMM (swapped, the
 same shapes took 77 ms against 48).
 
 Note [Scatters of nothing for OpenVINO]
@@ -111,7 +114,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["prepare_for_openvino", "MARK"]
+__all__ = ["prepare_for_openvino", "preparation", "MARK"]
 
 # Written into the model's metadata so that a model prepared once (the cache keeps the
 # winner's model) is recognised from its bytes without parsing it again.
@@ -505,8 +508,10 @@ def _drop_empty_scatters(graph: onnx.GraphProto, shapes: dict[str, list]) -> int
 
 def prepare_for_openvino(model: bytes) -> bytes:
     """``model`` with its slow-layout MatMuls split (Note [Wide MatMuls for OpenVINO]) or computed transposed
-    (Note [Deep MatMuls for OpenVINO]) and its scatters of nothing dropped (Note [Scatters of nothing for
-    OpenVINO]).
+    (Note [Deep MatMuls for OpenVINO]), its max pools' indices computed (Note [Max pools' indices for
+    OpenVINO]), its convolutions' gradients as convolutions (Note [Input gradients of convolutions for
+    OpenVINO], Note [Weight gradients of convolutions for OpenVINO]) and its scatters of nothing dropped
+    (Note [Scatters of nothing for OpenVINO]). The model's metadata says what was done.
 
     Returns ``model`` itself (the same object) when nothing changes or it was prepared before.
     """
@@ -559,3 +564,12 @@ def prepare_for_openvino(model: bytes) -> bytes:
     done += [f"{swapped} weight gradient(s) as a swapped Conv"] if swapped else []
     proto.metadata_props.append(onnx.StringStringEntryProto(key=MARK, value=", ".join(done)))
     return proto.SerializeToString()
+
+
+def preparation(model: object) -> str:
+    """What :func:`prepare_for_openvino` did to ``model`` (``"3 MatMul(s) split, ..."``), or ``""``."""
+    if not isinstance(model, bytes) or MARK.encode() not in model:
+        return ""
+    proto = onnx.ModelProto()
+    proto.ParseFromString(model)
+    return next((p.value for p in proto.metadata_props if p.key == MARK), "")

@@ -429,8 +429,8 @@ def _follow(runner: OrtRunner, args: Sequence[object], reference: list, candidat
         if shared is not None:
             runner.share_session(shared)
         else:
-            runner.swap_session((prebuilt[index].result() if prebuilt else candidates[index].rebuild(quiet=True))
-                                .session)
+            built = prebuilt[index].result() if prebuilt else candidates[index].rebuild(quiet=True)
+            runner.swap_session(built.session)
     except Exception:  # noqa: BLE001 - the race of its own says why
         return None
     try:
@@ -440,7 +440,8 @@ def _follow(runner: OrtRunner, args: Sequence[object], reference: list, candidat
     if why:
         runner.swap_session(own)
         return None
-    runner.session_source = candidates[index]
+    runner.session_source = (candidates[index] if shared is not None
+                             else dataclasses.replace(candidates[index], model=built.source.model))
     runner.shrink_arena_on_next_run()
     result.checked, result.shared, result.calls = True, shared is not None, (call, call)
     result.seconds = time.perf_counter() - start
@@ -620,7 +621,8 @@ def make_race(candidates: Sequence[SessionSource], on_result: Callable[[RaceResu
             if why:
                 result.dropped[name] = why
                 continue
-            entrants.append(_Entrant(name, built.session, source, []))
+            # The source with the model the session holds (a plugin's: its prepared one), as the report shows it
+            entrants.append(_Entrant(name, built.session, dataclasses.replace(source, model=built.source.model), []))
         result.seconds = time.perf_counter() - start
         on_spent(result.seconds)
         if len(entrants) == 1:  # nothing left to time against the first session

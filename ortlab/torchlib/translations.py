@@ -139,15 +139,21 @@ def _with_index(reduce_op, arg_op):  # noqa: ANN001, ANN202
 
 def _pool_with_nan(torchlib_pool, spatial: int):  # noqa: ANN001, ANN202
     """torchlib's ``max_pool{spatial}d_with_indices``, its values NaN where the window holds a NaN."""
-    from onnxscript.function_libs.torch_lib.ops.nn import _adjust_attributes_of_max_pool
 
-    def pool(self, kernel_size: Sequence[int], stride: Sequence[int] = (), padding: Sequence[int] = (0,) * spatial,  # noqa: ANN001, ANN202
-             dilation: Sequence[int] = (1,) * spatial, ceil_mode: bool = False):
+    def expand(values: Sequence[int] | int) -> list[int]:
+        values = [values] if isinstance(values, int) else list(values)
+        return values * spatial if len(values) == 1 else values
+
+    def pool(self, kernel_size: Sequence[int], stride: Sequence[int] = (),  # noqa: ANN001, ANN202
+             padding: Sequence[int] = (0,) * spatial, dilation: Sequence[int] = (1,) * spatial, ceil_mode: bool = False):
         values, indices = torchlib_pool.func(self, kernel_size, stride, padding, dilation, ceil_mode)
         if not _floating(self):
             return values, indices
-        kernel_shape, strides, pads, dilations = _adjust_attributes_of_max_pool(spatial, kernel_size, stride,
-                                                                                padding, dilation)
+        # MaxPool's attributes as torchlib writes them (stride [] is the kernel; pads at both ends)
+        kernel_shape, dilations = expand(kernel_size), expand(dilation)
+        strides = expand(stride) if stride else kernel_shape
+        pads = expand(padding)
+        pads = pads * 2 if len(pads) == spatial else pads
         flags = op.CastLike(op.IsNaN(self), self)
         unbatched = len(self.shape) == spatial + 1
         if unbatched:

@@ -287,8 +287,9 @@ def _input_gradient_model(n: int, c: int, co: int, size: int, k: int, stride: in
         nodes = [helper.make_node("Transpose", ["dy4"], ["dyt"], perm=[1, 0, 2, 3]),
                  helper.make_node("Reshape", ["dyt", "to2"], ["dy"])]
         dy = helper.make_tensor_value_info("dy4", TensorProto.FLOAT, [n, co, ho, ho])
-    nodes += [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]), helper.make_node("MatMul", ["wt", "dy"], ["m"]),
-             helper.make_node("Reshape", ["m", "to3"], ["r"]), helper.make_node("Transpose", ["r"], ["t"], perm=[1, 0, 2]),
+    nodes += [helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+              helper.make_node("MatMul", ["wt", "dy"], ["m"]), helper.make_node("Reshape", ["m", "to3"], ["r"]),
+              helper.make_node("Transpose", ["r"], ["t"], perm=[1, 0, 2]),
              helper.make_node("Col2Im", ["t", "img", "blk"], ["dx"], name="node_col2im", strides=[stride] * 2,
                               pads=[pad] * 4, dilations=[1, 1])]
     nodes[-1].metadata_props.append(onnx.StringStringEntryProto(key="ortlab.module", value="layer1.conv"))
@@ -348,6 +349,7 @@ def test_a_small_resnet_trains_on_openvino_like_eager():
         "MaxPool(s) with their indices computed" in done["forward"][0], done
     assert "Col2Im(s) as ConvTranspose" in done["backward"][0], done
     assert "weight gradient(s) as a swapped Conv" in done["backward"][0], done  # the 8x8 outputs
+    assert f"OpenVINO's model: {done['backward'][0]} (ortlab/runtime/openvino.py)" in str(om.report)
 
 
 def _weight_gradient_model(n: int, c: int, co: int, size: int, k: int, stride: int, pad: int) -> bytes:
