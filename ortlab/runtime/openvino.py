@@ -184,8 +184,8 @@ def _const(name: str, value: np.ndarray) -> onnx.NodeProto:
 
 
 def _pool_indices(node: onnx.NodeProto, shapes: dict[str, list], types: dict[str, int]) -> list[onnx.NodeProto] | None:
-    """A ``MaxPool`` with indices as one without and its indices computed (Note [Max pools' indices for
-    OpenVINO]); ``None`` where it stays as it is."""
+    """A ``MaxPool`` with indices as the ArgMax of its windows, values and indices (Note [Max pools' indices
+    for OpenVINO]); ``None`` where it stays as it is."""
     if (node.op_type != "MaxPool" or node.domain not in ("", "ai.onnx") or len(node.output) < 2
             or not node.output[1] or types.get(node.input[0]) != onnx.TensorProto.FLOAT):
         return None
@@ -236,17 +236,17 @@ def _pool_indices(node: onnx.NodeProto, shapes: dict[str, list], types: dict[str
                        const((np.arange(ho) * sh - pt).astype(np.int64).reshape(ho, 1))])
     cols = add("Add", [add("Gather", [const((offsets % kw * dw).astype(np.int64)), first]),
                        const((np.arange(wo) * sw - pl).astype(np.int64).reshape(1, wo))])
-    flat = add("Add", [add("Add", [add("Mul", [rows, const(np.array(w, np.int64))]), cols]),
-                       const((np.arange(n * c, dtype=np.int64) * h * w).reshape(n, c, 1, 1))])
+    picked = add("Add", [add("Mul", [rows, const(np.array(w, np.int64))]), cols])  # h * W + w in the image
     # A window whose maximum is -inf: PyTorch's kernel keeps the first element inside the input.
     top = np.arange(ho) * sh - pt
     left = np.arange(wo) * sw - pl
     top = np.where(top < 0, top + (-top + dh - 1) // dh * dh, top)
     left = np.where(left < 0, left + (-left + dw - 1) // dw * dw, left)
-    inside = const((top.reshape(ho, 1) * w + left.reshape(1, wo)).astype(np.int64)
-                   + (np.arange(n * c, dtype=np.int64) * h * w).reshape(n, c, 1, 1))
+    inside = const((top.reshape(ho, 1) * w + left.reshape(1, wo)).astype(np.int64))
     empty = add("Equal", [node.output[0], const(np.array(-np.inf, np.float32))])
-    made.append(helper.make_node("Where", [empty, inside, flat], [node.output[1]], name=f"{base}__ov_indices"))
+    planes = const((np.arange(n * c, dtype=np.int64) * h * w).reshape(n, c, 1, 1))  # ONNX's indices are flat
+    made.append(helper.make_node("Add", [add("Where", [empty, inside, picked]), planes], [node.output[1]],
+                                 name=f"{base}__ov_indices"))
     return made
 
 
