@@ -411,7 +411,8 @@ def _swapped_weight_gradient(node: onnx.NodeProto, producer: dict[str, onnx.Node
 
 def _drop_unused(graph: onnx.GraphProto) -> None:
     """Nodes whose results nothing reads any more (what a rewrite replaced); the order of the others is kept
-    (ortlab's guard nodes follow the nodes that read them)."""
+    (ortlab's guard nodes follow the nodes that read them). Our own pass: onnx_ir's RemoveUnusedNodesPass
+    works on its IR, and this module edits the ``ModelProto`` it was given without converting it."""
     producer = {out: i for i, node in enumerate(graph.node) for out in node.output}
     live, pending = set(), [o.name for o in graph.output]
     while pending:
