@@ -19,9 +19,10 @@ it is printed as such with both distances.
 
 from __future__ import annotations
 
+import argparse
 import copy
 from collections import Counter
-import sys
+from collections.abc import Sequence
 import time
 import traceback
 import warnings
@@ -279,19 +280,25 @@ CASES = {
         pad_token_id=0, local_radius=4),
 }
 
-def pinned_providers(args: list[str]) -> tuple[list[str], dict]:
-    """``args`` without ``--providers A,B`` and the ORTModule options it asks for (``{}`` without it):
-    e.g. ``--providers OpenVINOExecutionProvider`` puts every part on it, small or not."""
-    if "--providers" not in args:
-        return args, {}
-    at = args.index("--providers")
-    return args[:at] + args[at + 2:], {"providers": args[at + 1].split(",")}
+def parse_args(argv: list[str] | None = None, known: Sequence[str] = tuple(CASES),
+               description: str = __doc__.splitlines()[0]) -> argparse.Namespace:
+    """The architectures to check among ``known`` (all by default) and the providers to pin, if any."""
+    parser = argparse.ArgumentParser(description=description, epilog="architectures: " + " ".join(known))
+    parser.add_argument("names", nargs="*", metavar="architecture", help="the architectures to check (default: all)")
+    parser.add_argument("--providers", help="put every onnxruntime part on these providers, comma-separated "
+                                            "(e.g. OpenVINOExecutionProvider); default: ortlab's measured choice")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in known]
+    if unknown:
+        parser.error(f"unknown architecture(s): {', '.join(unknown)}; known: {' '.join(known)}")
+    return args
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     warnings.simplefilter("ignore")
-    args, options = pinned_providers(sys.argv[1:])
-    names = args or list(CASES)
+    args = parse_args(argv)
+    options = {"providers": args.providers.split(",")} if args.providers else {}
+    names = args.names or list(CASES)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, ortlab {ortlab.__version__}"
           + (f"; providers pinned to {options['providers']}" if options else ""))
     for name in names:

@@ -31,7 +31,7 @@ import ortlab
 
 sys.path.insert(0, str(Path(__file__).parent))
 from hf_architectures import (  # noqa: E402
-    CASES, V, _without_dropout, cls_eos, parts_on, pinned_providers, train_beside_eager)
+    CASES, V, _without_dropout, cls_eos, parse_args, parts_on, train_beside_eager)
 
 # The architectures of hf_architectures.py whose batches are token ids (lm, cls, cls_eos).
 TEXT = ("mistral", "qwen2", "qwen3", "phi", "phi3", "gemma", "gemma2", "falcon", "gpt_neox", "gptj", "gpt_neo", "bloom",
@@ -90,8 +90,9 @@ def _short(record: object) -> str:
 
 def main() -> None:
     warnings.simplefilter("ignore")
-    args, options = pinned_providers(sys.argv[1:])
-    names = args or TEXT
+    args = parse_args(known=TEXT, description=__doc__.splitlines()[0])
+    options = {"providers": args.providers.split(",")} if args.providers else {}
+    names = args.names or TEXT
     print(f"torch {torch.__version__}, ortlab {ortlab.__version__}; vocab {V}, pad_token_id 0, dropout off"
           + (f"; providers pinned to {options['providers']}" if options else ""))
     for name in names:
