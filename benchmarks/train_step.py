@@ -2,12 +2,16 @@
 
 One step is forward, loss, backward, ``SGD.step()`` and ``zero_grad()``. Each contender trains its
 own deep copy of the same initial weights on the same batches. After the warm-up the contenders
-take turns (A B C A B C ...), so a slow drift of the machine affects all of them alike.
+take turns (A B C A B C ...), so a slow drift of the machine affects all of them alike. Each row
+also splits its step: the forward (with the loss), the backward, and the optimizer's step with
+``zero_grad()``, medians each; ``ortlab-cpu`` and ``ortlab-openvino`` pin every graph to one
+engine, which shows where the provider ortlab measured fastest wins or loses against eager.
 
 Usage:
     python benchmarks/train_step.py                       # all models, all contenders
     python benchmarks/train_step.py --model gpt --steps 50 --json gpt.json
     python benchmarks/train_step.py --model tiny --contenders eager,compile
+    python benchmarks/train_step.py --model gpt --contenders eager,ortlab-cpu,ortlab-openvino
 """
 
 from __future__ import annotations
@@ -40,7 +44,9 @@ from ortlab.models import GPT, MLP, GPTConfig, TinyMLP, make_batch  # noqa: E402
 
 # "ortlab-dense": ortlab with label sparsity off (the LM head computed for ignored labels too).
 # "ortlab-padding": ortlab with embedding sparsity on (the row-wise layers skip padded tokens).
-CONTENDERS = ("eager", "compile", "ortlab", "ortlab-dense", "ortlab-padding")
+CONTENDERS = ("eager", "compile", "ortlab", "ortlab-dense", "ortlab-padding", "ortlab-cpu", "ortlab-openvino")
+# "ortlab-cpu" / "ortlab-openvino": every graph pinned to onnxruntime's CPU provider / OpenVINO's plugin.
+PINNED = {"ortlab-cpu": "CPUExecutionProvider", "ortlab-openvino": "OpenVINOExecutionProvider"}
 MODELS = ("tiny", "mlp", "gpt")
 # Real-sized models, run by name (each step takes seconds on 2 cores): a GPT-2-small-sized
 # model (12 layers, d=768, T=256, vocab 50257, batch 4), the same with 50% of the labels
@@ -72,7 +78,11 @@ class Result:
     peak_fraction: float | None = None
     final_loss: float | None = None
     error: str | None = None
+    forward_ms: float | None = None
+    backward_ms: float | None = None
+    optimizer_ms: float | None = None
     times_ms: list[float] = field(default_factory=list, repr=False)
+    phases_ms: list[tuple[float, float, float]] = field(default_factory=list, repr=False)
 
 
 def build_model(name: str) -> tuple[nn.Module, Callable[[torch.Generator], Batch], float | None]:
@@ -206,17 +216,26 @@ def wrap(contender: str, module: nn.Module) -> nn.Module:
         import ortlab
 
         return ortlab.ORTModule(module, embedding_sparsity=True)
+    if contender in PINNED:
+        import ortlab
+
+        return ortlab.ORTModule(module, providers=[PINNED[contender]])
     raise ValueError(f"unknown contender {contender!r}; expected one of {', '.join(CONTENDERS)}")
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch) -> tuple[float, torch.Tensor]:
-    """Run one training step and return its wall time in ms and the loss."""
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch
+               ) -> tuple[float, torch.Tensor, tuple[float, float, float]]:
+    """Run one training step; return its wall time in ms, the loss, and the ms of its forward (with
+    the loss), backward, and optimizer step with ``zero_grad()``."""
     start = time.perf_counter()
     loss = model(*batch)
+    forward = time.perf_counter()
     loss.backward()
+    backward = time.perf_counter()
     opt.step()
     opt.zero_grad()
-    return (time.perf_counter() - start) * 1e3, loss
+    end = time.perf_counter()
+    return (end - start) * 1e3, loss, ((forward - start) * 1e3, (backward - forward) * 1e3, (end - backward) * 1e3)
 
 
 def matmul_peak_gflops(n: int = 2048, reps: int = 10) -> float:
@@ -266,7 +285,7 @@ def bench_model(
             model = wrap(c, module)
             for i, batch in enumerate(warm_batches):
                 torch.manual_seed(i)  # the same dropout masks for every contender
-                ms, _ = train_step(model, opt, batch)
+                ms, _, _ = train_step(model, opt, batch)
                 if i == 0:
                     results[c].first_step_ms = ms
             running[c] = (model, opt)
@@ -279,11 +298,12 @@ def bench_model(
         for c in list(running):
             try:
                 torch.manual_seed(1000 + i)
-                ms, loss = train_step(*running[c], batch)
+                ms, loss, phases = train_step(*running[c], batch)
             except Exception as exc:  # noqa: BLE001
                 fail(c, exc)
                 continue
             results[c].times_ms.append(ms)
+            results[c].phases_ms.append(phases)
             if i == len(batches) - 1:
                 results[c].final_loss = loss.item()
 
@@ -292,6 +312,7 @@ def bench_model(
         if r.error or not r.times_ms:
             continue
         r.median_ms = statistics.median(r.times_ms)
+        r.forward_ms, r.backward_ms, r.optimizer_ms = (statistics.median(p) for p in zip(*r.phases_ms))
         if eager and eager.times_ms and not eager.error:
             r.speedup = statistics.median(eager.times_ms) / r.median_ms
         if flops is not None:
@@ -376,8 +397,9 @@ def print_table(name: str, results: dict[str, Result]) -> None:
     def fmt(v: float | None, spec: str, suffix: str = "") -> str:
         return "-" if v is None else format(v, spec) + suffix
 
-    cols = ("contender", "median ms", "vs eager", "first ms", "GFLOP/s", "% peak", "final loss")
-    widths = (max(10, *map(len, results)), 10, 9, 10, 8, 7, 11)
+    cols = ("contender", "median ms", "vs eager", "first ms", "GFLOP/s", "% peak", "final loss", "forward",
+            "backward", "optimizer")
+    widths = (max(10, *map(len, results)), 10, 9, 10, 8, 7, 11, 8, 9, 10)
     header = " ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(cols, widths)))
     print(f"\n== {name} ==\n{header}\n{'-' * len(header)}")
     for c, r in results.items():
@@ -392,6 +414,9 @@ def print_table(name: str, results: dict[str, Result]) -> None:
             fmt(r.gflops, ".1f"),
             fmt(pct, ".1f", "%"),
             fmt(r.final_loss, ".4f"),
+            fmt(r.forward_ms, ".2f"),
+            fmt(r.backward_ms, ".2f"),
+            fmt(r.optimizer_ms, ".2f"),
         )
         print(f"{c:<{widths[0]}} " + " ".join(v.rjust(w) for v, w in zip(cells, widths[1:])))
 
