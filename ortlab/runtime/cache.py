@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import hashlib
 import json
 import logging
 import os
+import platform
 import re
 from typing import Any
 
@@ -358,6 +360,12 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
 # among, so a later process that loads the entry builds the winner's session directly. A
 # decision made among other candidates (a provider installed or removed since) is not
 # used: the race runs again. A damaged decision costs a measurement, not a wrong result.
+# Nor is one measured on another machine: a cache folder shared between machines (a
+# network home, a container image with a warm cache) would otherwise run every part on
+# the provider that was fastest on the CPU it was first measured on (OpenVINO on a Xeon,
+# where on an AMD EPYC with AVX-512 the CPU provider was the faster one). The decision
+# carries the CPU's model name and the cores this process may use (``this_machine``);
+# the cached model itself does not depend on them and is used either way.
 #
 # The entry's model is the one onnxruntime optimized for the session built first (the CPU
 # provider's, with its fused ``com.microsoft`` ops). A plugin provider that won measured
@@ -368,6 +376,24 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
 # beside the decision (``{key}.providers.onnx``) with its SHA-256 and the optimization level
 # it was built at; a model whose checksum does not match is not used (the race runs again),
 # and its session's inputs and outputs are checked like the entry's.
+
+
+@functools.lru_cache(maxsize=1)
+def this_machine() -> str:
+    """The CPU's model name and the cores this process may use (``Intel(R) Xeon(R) ... x 2 cores``): what a
+    measured provider decision depends on beyond the model (Note [Stored provider decisions])."""
+    name = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:  # not Linux
+        pass
+    name = name or platform.processor() or platform.machine()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return f"{name} x {cores} cores"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,7 +411,7 @@ def store_decision(entry: CacheEntry, chosen: tuple[str, ...], candidates: list[
     """Keep a race's winner for ``entry``, and the model it ran when not the entry's (see Note [Stored
     provider decisions])."""
     data: dict[str, Any] = {"chosen": list(chosen), "candidates": sorted(list(c) for c in candidates),
-                            "described": described}
+                            "described": described, "machine": this_machine()}
     if model is not None:
         data.update(model_sha256=_digest(model), level=level)
     try:
@@ -399,10 +425,12 @@ def store_decision(entry: CacheEntry, chosen: tuple[str, ...], candidates: list[
 
 
 def load_decision(entry: CacheEntry, candidates: list[tuple[str, ...]]) -> StoredDecision | None:
-    """The stored winner for ``entry`` and how it was measured, if it was chosen among ``candidates`` (and its
-    model, when one is stored and matches its checksum)."""
+    """The stored winner for ``entry`` and how it was measured, if it was chosen among ``candidates`` on this
+    machine (and its model, when one is stored and matches its checksum)."""
     try:
         data = json.loads(read_file(entry.providers_path))
+        if data.get("machine") != this_machine():
+            return None  # measured on another CPU, or with other cores: measured again (Note [Stored provider decisions])
         chosen = tuple(data["chosen"])
         stored = sorted(list(c) for c in data["candidates"])
         described = str(data["described"])

@@ -339,6 +339,20 @@ def test_a_cached_start_uses_the_stored_decision_without_measuring(tmp_path, mon
     line = again.report.captures[0].graphs[0].providers
     assert line == f"{chosen} (as measured in an earlier process, stored with the cache entry)", line
 
+    # Measured on another machine (a cache folder shared between machines): measured again here.
+    from ortlab.runtime import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "this_machine", lambda: "another CPU x 64 cores")
+    torch.manual_seed(0)
+    elsewhere = ortlab.ORTModule(TinyMLP().eval(), cache_dir=str(tmp_path))
+    with torch.no_grad():
+        torch.testing.assert_close(elsewhere(x), expected)
+    assert not any("as measured in an earlier process" in n for n in notes(elsewhere))
+    assert any(p.runner.race is not None for c in elsewhere.report.captures for g in c.graphs for p in g.parts)
+    monkeypatch.undo()
+    monkeypatch.setattr(session_module, "cpu_candidates",
+                        lambda: (["CPUExecutionProvider", "AzureExecutionProvider"], {}))
+
     # Other candidates installed since: the stored decision is not used, the race runs again.
     monkeypatch.setattr(session_module, "cpu_candidates", lambda: (["CPUExecutionProvider"], {}))
     torch.manual_seed(0)
