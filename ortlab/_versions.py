@@ -7,7 +7,19 @@ import hashlib
 import platform
 from pathlib import Path
 
-__all__ = ["library_versions"]
+__all__ = ["library_versions", "instruction_sets"]
+
+# Note [Cached models and the CPU's instruction sets]
+# A cache entry is the model onnxruntime optimized at level "all", which may hold layout
+# rewrites for this CPU: its NCHWc transformer blocks a convolution's channels by the
+# vector width MLAS picks here (16 with AVX-512, 8 with AVX2), and onnxruntime warns that such
+# a model "should only be used in the same environment the model was optimized in". ortlab's
+# graphs feed their weights as inputs, which the transformer leaves alone, but a constant
+# weight inside a graph is an initializer it rewrites. So the cache key holds the instruction
+# sets MLAS and OpenVINO dispatch on: a cache folder shared between a machine with AVX-512
+# and one without misses (and exports again) instead of serving one the other's layout.
+_ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512dq", "avx512vl",
+              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 @functools.lru_cache(maxsize=1)
@@ -24,8 +36,21 @@ def _code_digest() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def instruction_sets() -> str:
+    """The vector instruction sets of this CPU that kernels dispatch on (``avx,avx2,...,avx512f``; Note [Cached
+    models and the CPU's instruction sets]), from ``/proc/cpuinfo``; "" where it cannot be read (not Linux)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return ""
+    return ",".join(flag for flag in _ISA_FLAGS if flag in flags)
+
+
+@functools.lru_cache(maxsize=1)
 def library_versions() -> str:
-    """``torch|onnx|onnxscript|onnxruntime|ortlab+code|machine``: what a cached model or op list depends on.
+    """``torch|onnx|onnxscript|onnxruntime|ortlab+code|machine+instruction sets``: what a cached model or op list
+    depends on.
 
     Example:
         >>> library_versions().count("|")
@@ -39,4 +64,4 @@ def library_versions() -> str:
     from ortlab import __version__
 
     return "|".join((torch.__version__, onnx.__version__, onnxscript.__version__, onnxruntime.__version__,
-                     f"{__version__}+{_code_digest()}", platform.machine()))
+                     f"{__version__}+{_code_digest()}", f"{platform.machine()}+{instruction_sets()}"))

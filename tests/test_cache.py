@@ -99,6 +99,32 @@ def test_different_graph_misses(tmp_path):
     assert cached(om) == 0
 
 
+def test_a_cpu_with_other_instruction_sets_misses(tmp_path, monkeypatch):
+    """Note [Cached models and the CPU's instruction sets]: a cache folder shared with a machine whose CPU has
+    other vector instructions (AVX2 against AVX-512) is not served this machine's onnxruntime-optimized models."""
+    from ortlab import _versions
+
+    torch.manual_seed(0)
+    base, x = Net(nn.Tanh()), torch.randn(4, 6)
+    first = ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(tmp_path))
+    step(first, copy.deepcopy(base), x)
+    here = _versions.library_versions()
+    assert here.endswith(f"+{_versions.instruction_sets()}")
+    monkeypatch.setattr(_versions, "instruction_sets", lambda: "avx,avx2,fma,f16c")
+    _versions.library_versions.cache_clear()
+    try:
+        assert _versions.library_versions() != here
+        elsewhere = ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(tmp_path))
+        step(elsewhere, copy.deepcopy(base), x)
+        assert cached(elsewhere) == 0
+    finally:
+        monkeypatch.undo()
+        _versions.library_versions.cache_clear()
+    again = ortlab.ORTModule(copy.deepcopy(base), cache_dir=str(tmp_path))
+    step(again, copy.deepcopy(base), x)
+    assert cached(again) == 2
+
+
 def test_corrupt_entry_is_dropped_and_rebuilt(tmp_path):
     torch.manual_seed(0)
     base = Net(nn.Tanh())
