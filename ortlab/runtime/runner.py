@@ -55,6 +55,32 @@ _NP_TORCH = {v: k for k, v in _NP_DTYPES.items()}
 
 
 _TRIM: list = []
+_NO_OUTPUT = (None,)
+
+
+def _picks(kinds: list[str | None], dtypes: list[torch.dtype | None], sources: list[tuple[str, int] | None],
+           made: int) -> list[tuple[int, int]] | None:
+    """Where each output of a run comes from, as ``(0, j)`` (the j-th tensor onnxruntime made), ``(1, i)`` (input
+    i, passed through) or ``(2, 0)`` (None); None where an output needs the general path (Note [The runner's
+    plain calls]): a Python scalar, a bool tensor (DLPack may hand it over as uint8), or a count that does not
+    add up to the ``made`` outputs the session returns before its guards."""
+    picks: list[tuple[int, int]] = []
+    produced = 0
+    for kind, dtype, source in zip(kinds, dtypes, sources):
+        if kind is None:
+            picks.append((2, 0))
+        elif source is None:
+            if kind != "tensor" or dtype == torch.bool:
+                return None
+            picks.append((0, produced))
+            produced += 1
+        elif source[0] == "input":
+            picks.append((1, source[1]))
+        elif source[0] == "output" and 0 <= source[1] < len(picks):
+            picks.append(picks[source[1]])
+        else:
+            return None
+    return picks if produced == made else None
 
 
 def give_back_freed_heap() -> None:
@@ -122,6 +148,10 @@ class OrtRunner:
         self.output_kinds = output_kinds
         self.output_dtypes = output_dtypes
         self.output_sources = output_sources
+        # Note [The runner's plain calls]: what every call would otherwise work out again.
+        self._all_tensors = all(k == "tensor" for k in input_kinds)
+        self._input_torch = [_NP_TORCH.get(d) if d is not None else None for d in self._input_np]
+        self._picks = _picks(output_kinds, output_dtypes, output_sources, len(self.output_names) - len(self.guards))
         self.device = device
         self._ort_device = ort_device(device.type, device.index or 0)
         self._in_devices = [self._ort_device] * len(self.input_names)
@@ -255,6 +285,16 @@ class OrtRunner:
         give_back_freed_heap()
         return outputs
 
+    # Note [The runner's plain calls]
+    # A tiny model's step runs two sessions of ~50 us each, and the runner's own Python was ~35 us
+    # around each (``python benchmarks/runner_overhead.py``). Most graphs take tensors only, in
+    # the dtypes the session declares, and return tensors onnxruntime makes, in order: for those
+    # the runner skips the per-input kind dispatch and numpy dtype lookups, and assembles the outputs
+    # from picks worked out once (the n-th tensor onnxruntime made, an input passed through, None),
+    # where the general path decided each output's kind and source again on every call (12 us of
+    # the forward's 7 outputs). Graphs with Python scalars among their inputs or outputs, bool
+    # outputs or dtypes without numpy take the general path.
+
     def _as_tensor(self, value: object, kind: str) -> torch.Tensor:
         if kind == "tensor":
             # No detach(): onnxruntime only reads the pointer, and detach costs ~15 us a tensor.
@@ -274,15 +314,21 @@ class OrtRunner:
 
     def run(self, args: Sequence[object]) -> list:
         """One run of the current session on ``args`` (``__call__`` without the first-call race)."""
-        tensors = [self._as_tensor(a, k) for a, k in zip(args, self.input_kinds)]
+        if self._all_tensors:
+            tensors = [a if a.is_contiguous() else a.contiguous() for a in args]  # type: ignore[union-attr]
+        else:
+            tensors = [self._as_tensor(a, k) for a, k in zip(args, self.input_kinds)]
         inputs = OrtValueVector()
         inputs.reserve(len(tensors))
-        try:
-            np_dtypes = [_NP_DTYPES[t.dtype] for t in tensors]
-        except KeyError:  # bfloat16 & co have no numpy dtype: wrap each through DLPack
-            np_dtypes = None
-        if np_dtypes is not None and np_dtypes != self._input_np:
-            tensors, np_dtypes = self._retype(tensors, np_dtypes)
+        if [t.dtype for t in tensors] == self._input_torch:  # the session's own dtypes: nothing to look up
+            np_dtypes = self._input_np
+        else:
+            try:
+                np_dtypes = [_NP_DTYPES[t.dtype] for t in tensors]
+            except KeyError:  # bfloat16 & co have no numpy dtype: wrap each through DLPack
+                np_dtypes = None
+            if np_dtypes is not None and np_dtypes != self._input_np:
+                tensors, np_dtypes = self._retype(tensors, np_dtypes)
         if np_dtypes is not None:
             inputs.push_back_batch(
                 tensors, [t.data_ptr() or self._no_data_ptr for t in tensors], np_dtypes, [t.shape for t in tensors],
@@ -305,6 +351,13 @@ class OrtRunner:
                 self._sess.run_with_ortvaluevector(
                     self._run_options, self._feed, inputs, self._fetch, outputs, self._out_devices
                 )
+        picks = self._picks
+        if picks is not None:  # Note [The runner's plain calls]
+            produced = outputs.to_dlpacks(from_dlpack_capsule)
+            if self.guards:
+                check(self.guards, produced[len(produced) - len(self.guards):])  # raises PyTorch's IndexError first
+            where = (produced, args, _NO_OUTPUT)
+            return [where[w][i] for w, i in picks]
         produced = iter(outputs.to_dlpacks(from_dlpack_capsule))
         result: list = []
         for kind, dtype, source in zip(self.output_kinds, self.output_dtypes, self.output_sources):
