@@ -9,8 +9,8 @@ the last loss and each graph's providers line. Run it in turns against another c
     python benchmarks/first_steps.py gpt 8
     python benchmarks/first_steps.py gpt2s 6
 """
+import argparse
 import json
-import sys
 import time
 
 import torch  # torch first, as users' scripts do
@@ -18,7 +18,11 @@ import torch  # torch first, as users' scripts do
 import ortlab
 from ortlab.models import GPT, GPTConfig, make_batch
 
-name, n = sys.argv[1], int(sys.argv[2])
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("model", choices=("gpt", "gpt2s"))
+parser.add_argument("steps", type=int)
+cli = parser.parse_args()
+name, n = cli.model, cli.steps
 torch.manual_seed(0)
 if name == "gpt":
     cfg = GPTConfig()

@@ -10,11 +10,11 @@ and the rest (on the CPU provider; OpenVINO's run is one node, so only its total
     python benchmarks/loss_gradient.py                 # 1024 rows, vocab 50257, d=768, 3 rounds
     python benchmarks/loss_gradient.py 512 50257 768 5
 """
+import argparse
 import collections
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -32,7 +32,11 @@ from ortlab.capture import sparsity
 from ortlab.runtime.providers import plugin, plugin_eps, plugin_options, prepare_model
 
 warnings.simplefilter("ignore")
-rows, vocab, d, rounds = (int(a) for a in (sys.argv[1:] + ["1024", "50257", "768", "3"][len(sys.argv) - 1:])[:4])
+_parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+for _name, _default in (("rows", 1024), ("vocab", 50257), ("d", 768), ("rounds", 3)):
+    _parser.add_argument(_name, nargs="?", type=int, default=_default, help=f"default {_default}")
+_cli = _parser.parse_args()
+rows, vocab, d, rounds = _cli.rows, _cli.vocab, _cli.d, _cli.rounds
 
 
 class _Derived:

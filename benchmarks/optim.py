@@ -19,6 +19,7 @@ Usage:
 
 from __future__ import annotations
 
+import argparse
 import platform
 import statistics
 import sys
@@ -74,4 +75,6 @@ def main(steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 50)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("steps", nargs="?", type=int, default=50, help="measured steps per optimizer (default 50)")
+    main(parser.parse_args().steps)

@@ -18,6 +18,7 @@ Usage:
 
 from __future__ import annotations
 
+import argparse
 import copy
 import statistics
 import sys
@@ -84,4 +85,8 @@ def main(which: str, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "gpt", int(sys.argv[2]) if len(sys.argv) > 2 else 30)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", nargs="?", default="gpt", choices=("gpt", "mlp"), help="default gpt")
+    parser.add_argument("steps", nargs="?", type=int, default=30, help="measured steps per variant (default 30)")
+    args = parser.parse_args()
+    main(args.model, args.steps)
