@@ -7,7 +7,7 @@ import hashlib
 import platform
 from pathlib import Path
 
-__all__ = ["library_versions", "instruction_sets"]
+__all__ = ["library_versions", "instruction_sets", "cpu_model"]
 
 # Note [Cached models and the CPU's instruction sets]
 # A cache entry is the model onnxruntime optimized at level "all", which may hold layout
@@ -36,14 +36,32 @@ def _code_digest() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in ``/proc/cpuinfo`` (``model name``, ``flags``, ...); {} where there is
+    none (not Linux)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the end of the first processor's block
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``Intel(R) Xeon(R) Processor @ 2.50GHz``), or what the platform module knows."""
+    return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=1)
 def instruction_sets() -> str:
     """The vector instruction sets of this CPU that kernels dispatch on (``avx,avx2,...,avx512f``; Note [Cached
     models and the CPU's instruction sets]), from ``/proc/cpuinfo``; "" where it cannot be read (not Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return ""
+    flags = set(_cpuinfo().get("flags", "").split())
     return ",".join(flag for flag in _ISA_FLAGS if flag in flags)
 
 

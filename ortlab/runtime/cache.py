@@ -44,7 +44,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import re
 from typing import Any
 
@@ -63,8 +62,9 @@ from ortlab._cache_files import (
     write_atomic,
 )
 from ortlab._compat.torch import unset_fake_temporarily
-from ortlab._versions import library_versions
+from ortlab._versions import cpu_model, library_versions
 from ortlab.onnx.guards import IndexGuard
+from ortlab.runtime.session import available_cores
 
 __all__ = ["cache_key", "structure_key", "CacheEntry", "CachedModel", "load_entry", "stage_model", "store_entry", "drop_entry",
            "session_mismatch", "FORMAT"]
@@ -382,18 +382,7 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
 def this_machine() -> str:
     """The CPU's model name and the cores this process may use (``Intel(R) Xeon(R) ... x 2 cores``): what a
     measured provider decision depends on beyond the model (Note [Stored provider decisions])."""
-    name = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:  # not Linux
-        pass
-    name = name or platform.processor() or platform.machine()
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return f"{name} x {cores} cores"
+    return f"{cpu_model()} x {available_cores()} cores"
 
 
 @dataclasses.dataclass(frozen=True)
