@@ -205,6 +205,10 @@ def initial_placement(gm: torch.fx.GraphModule, fallback_ops: Sequence[str] = ()
         if name in RANDOM_OPS:
             out[node.name] = Placement.of(node, "random", KINDS["random"])
             continue
+        drawn = getattr(node.target, "_ortlab_random", None)  # ortlab's own random draws, with their reason
+        if drawn is not None:
+            out[node.name] = Placement.of(node, "random", drawn)
+            continue
         wrong = next((reason for op, predicate, reason in KNOWN_WRONG if name == op and predicate(node)), None)
         if wrong is not None:
             out[node.name] = Placement.of(node, "known_wrong", wrong)
