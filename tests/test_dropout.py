@@ -1,5 +1,5 @@
 """Dropout masks drawn ahead of the graph (Note [Dropout masks drawn ahead of the graph] in
-ortlab/capture/dropout.py): the graph runs as one onnxruntime part, with eager's masks and eager's
+ortlab/pipeline/dropout.py): the graph runs as one onnxruntime part, with eager's masks and eager's
 random stream after it; graphs with other random ops keep their dropouts where they were."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch.fx
 
-from ortlab.capture.dropout import hoist_dropout_masks
+from ortlab.pipeline.dropout import hoist_dropout_masks
 from ortlab.errors import DeviceError, ExportError, FallbackError, InternalError, SessionError, first_line
 from ortlab.pipeline.part import GraphContext, PartBuilder, PlacementRetry
 from ortlab.placement import RANDOM_OPS, Placement, check_raise, initial_placement
@@ -60,7 +60,7 @@ def _compile(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphContext,
     if hoisted:
         record.notes.append(f"{record.label}: {hoisted} dropout mask(s) drawn at the top of the graph, in eager's order, "
                             "and the dropouts' multiplies run in onnxruntime (Note [Dropout masks drawn ahead of the "
-                            "graph], ortlab/capture/dropout.py)")
+                            "graph], ortlab/pipeline/dropout.py)")
     nodes = {n.name: n for n in gm.graph.nodes}
     placed = initial_placement(gm, ctx.options.fallback_ops, ctx.options.cache_dir)
     builder = PartBuilder(ctx, record, nodes)
