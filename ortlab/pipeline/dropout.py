@@ -52,11 +52,26 @@ def dropout_mask(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype
 dropout_mask._ortlab_random = HOISTED_REASON  # type: ignore[attr-defined]  # placed in PyTorch, this reason
 
 
+def _arguments(node: torch.fx.Node) -> tuple[object, object, object]:
+    """A ``native_dropout`` node's input, probability and ``train`` flag (None: training, as ATen reads it)."""
+    args = list(node.args) + [None] * (3 - len(node.args))
+    return args[0], node.kwargs.get("p", args[1]), node.kwargs.get("train", args[2])
+
+
+def _provenance(node: torch.fx.Node) -> dict:
+    """What the nodes that take over a dropout's work keep of its meta: all but its value."""
+    return {k: v for k, v in node.meta.items() if k != "val"}
+
+
+def _getitems(node: torch.fx.Node) -> dict[int, torch.fx.Node] | None:
+    """The ``out[0]`` and ``out[1]`` nodes of a dropout, by index; None where something else reads it."""
+    items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+    return items if len(items) == len(node.users) else None
+
+
 def _hoistable(node: torch.fx.Node) -> tuple[float, torch.Tensor] | None:
     """The probability and eager's input (a fake tensor) of a dropout whose mask can be drawn ahead."""
-    args = list(node.args) + [None] * (3 - len(node.args))
-    x, p = args[0], node.kwargs.get("p", args[1])
-    train = node.kwargs.get("train", args[2])
+    x, p, train = _arguments(node)
     value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     if (train is False or type(p) not in (int, float) or not isinstance(value, torch.Tensor)
             or not value.dtype.is_floating_point
@@ -70,12 +85,11 @@ def _drop_everything(gm: torch.fx.GraphModule) -> int:
     nothing]); how many there were."""
     graph, done = gm.graph, 0
     for node in [n for n in graph.nodes if n.op == "call_function" and n.target is aten.native_dropout.default]:
-        args = list(node.args) + [None] * (3 - len(node.args))
-        x, p, train = args[0], node.kwargs.get("p", args[1]), node.kwargs.get("train", args[2])
-        items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
-        if train is False or type(p) not in (int, float) or p != 1 or len(items) != len(node.users):
+        x, p, train = _arguments(node)
+        items = _getitems(node)
+        if train is False or type(p) not in (int, float) or p != 1 or items is None:
             continue
-        meta = {k: v for k, v in node.meta.items() if k != "val"}
+        meta = _provenance(node)
         if 0 in items:
             items[0].target, items[0].args, items[0].kwargs = aten.mul.Tensor, (x, 0.0), {}
             items[0].meta.update(meta)
@@ -99,21 +113,19 @@ def hoist_dropout_masks(gm: torch.fx.GraphModule, fallback_ops: Sequence[str] = 
     drawn ahead of the graph]); the number of dropouts changed (0: the graph is left as it was). Dropouts
     with p = 1 draw nothing, as eager's (Note [A dropout of everything draws nothing])."""
     graph = gm.graph
-    if _drop_everything(gm):
-        graph.lint()
-        gm.recompile()
+    everything = _drop_everything(gm)
     randoms = [n for n in graph.nodes if n.op == "call_function" and op_name(n) in RANDOM_OPS]
     dropouts = [n for n in randoms if n.target is aten.native_dropout.default]
-    if not dropouts or len(dropouts) != len(randoms):
-        return 0
-    if any(matches(n, selector) for n in dropouts for selector in fallback_ops):
-        return 0
     found = [_hoistable(n) for n in dropouts]
-    if any(f is None for f in found):
+    uses = [_getitems(n) for n in dropouts]
+    # Left where they are: other random ops beside them, a dropout that cannot be drawn ahead (_hoistable), one
+    # read other than as out[0] and out[1] (never seen from AOTAutograd), or one named in fallback_ops.
+    if (not dropouts or len(dropouts) != len(randoms) or None in found or None in uses
+            or any(matches(n, selector) for n in dropouts for selector in fallback_ops)):
+        if everything:
+            graph.lint()
+            gm.recompile()
         return 0
-    uses = [{u.args[1]: u for u in n.users if u.target is operator.getitem} for n in dropouts]
-    if any(len(items) != len(n.users) for items, n in zip(uses, dropouts)):
-        return 0  # a use that is not out[0] or out[1] (never seen from AOTAutograd): left as it is
     top = next(n for n in graph.nodes if n.op != "placeholder")
     masks = []
     for node, (p, value), items in zip(dropouts, found, uses):  # type: ignore[misc]
@@ -126,17 +138,17 @@ def hoist_dropout_masks(gm: torch.fx.GraphModule, fallback_ops: Sequence[str] = 
         else:  # out[1] becomes the draw, under the name eager's graph gave the mask
             mask.target, mask.args, mask.kwargs = dropout_mask, args, {}
             top.prepend(mask)
-        mask.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+        mask.meta.update(_provenance(node))
         masks.append(mask)
     for node, (p, _), items, mask in zip(dropouts, found, uses, masks):  # type: ignore[misc]
         out = items.get(0)
         if out is not None:  # out[0] becomes input * mask * scale, as eager's kernel computes it
             with graph.inserting_before(out):
                 masked = graph.call_function(aten.mul.Tensor, (node.args[0], mask))
-            masked.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            masked.meta.update(_provenance(node))
             masked.meta["val"] = out.meta.get("val")
-            out.target, out.args, out.kwargs = aten.mul.Tensor, (masked, 0.0 if p == 1 else 1.0 / (1.0 - p)), {}
-            out.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+            out.target, out.args, out.kwargs = aten.mul.Tensor, (masked, 1.0 / (1.0 - p)), {}  # p < 1 here
+            out.meta.update(_provenance(node))
         graph.erase_node(node)
     graph.lint()
     gm.recompile()

@@ -17,8 +17,8 @@ from collections.abc import Callable
 
 import torch.fx
 
-from ortlab.pipeline.dropout import hoist_dropout_masks
 from ortlab.errors import DeviceError, ExportError, FallbackError, InternalError, SessionError, first_line
+from ortlab.pipeline.dropout import hoist_dropout_masks
 from ortlab.pipeline.part import GraphContext, PartBuilder, PlacementRetry
 from ortlab.placement import RANDOM_OPS, Placement, check_raise, initial_placement
 from ortlab.report import Fallback, GraphRecord, warn_fallback

@@ -153,9 +153,9 @@ PENDING_CALLS = 8
 # forward, split at its 37 dropouts, was 51 parts, of which 48 are four graphs twelve times
 # over, and racing each one took 13.7 s of its first step (its dropouts' masks are now drawn
 # ahead of the graph, Note [Dropout masks drawn ahead of the graph], but any op in PyTorch in
-# every layer, an untranslatable one or a random op beside the dropouts, splits the same way). A part whose graph is the same as
-# an earlier part's (op for op, shapes, dtypes and constants, names aside: the caller's key)
-# takes that race's winner: its first call runs on the first-built session as usual, then
+# every layer, an untranslatable one or a random op beside the dropouts, splits the same way).
+# A part whose graph is the same as an earlier part's (op for op, shapes, dtypes and
+# constants, names aside: the caller's key) takes that race's winner: its first call runs on the first-built session as usual, then
 # once on the winner's session, whose outputs must agree like any candidate's; a winner that
 # disagrees sends the part to a race of its own. The report says which part it followed.
 # The model of such a part is the earlier part's but for its names, so where the earlier
