@@ -53,7 +53,9 @@ MODELS = ("tiny", "mlp", "gpt")
 # ignored (-100), and a BERT-base encoder from a transformers config (random weights, batch 8,
 # T=128, 30% padding; "bert-nodrop" without dropout, so that embedding sparsity's losses can equal eager's:
 # with dropout, packed rows draw other masks).
-LARGE_MODELS = ("gpt2s", "gpt2s-ignore", "bert", "bert-nodrop", "resnet18")
+# "beit": a BEiT-small-sized image classifier from a transformers config (12 layers, d=384, 224x224 images in
+# 16x16 patches, batch 8) with stochastic depth (drop_path_rate 0.1): a random draw in every residual branch.
+LARGE_MODELS = ("gpt2s", "gpt2s-ignore", "bert", "bert-nodrop", "resnet18", "beit")
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -139,6 +141,25 @@ def build_model(name: str) -> tuple[nn.Module, Callable[[torch.Generator], Batch
             return ids, mask, torch.randint(0, 2, (8,), generator=g)
 
         return BertLoss(), draw_bert, None
+    if name == "beit":
+        import transformers
+
+        config = transformers.BeitConfig(hidden_size=384, num_hidden_layers=12, num_attention_heads=6,
+                                         intermediate_size=1536, image_size=224, patch_size=16, drop_path_rate=0.1,
+                                         num_labels=1000)
+
+        class BeitLoss(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.beit = transformers.BeitForImageClassification(config)
+
+            def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+                return self.beit(pixel_values=images, labels=labels).loss
+
+        def draw_beit(g: torch.Generator) -> Batch:
+            return torch.randn(8, 3, 224, 224, generator=g), torch.randint(0, 1000, (8,), generator=g)
+
+        return BeitLoss(), draw_beit, None
     if name == "resnet18":
         def draw_images(g: torch.Generator) -> Batch:
             return torch.randn(16, 3, 64, 64, generator=g), torch.randint(0, 1000, (16,), generator=g)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from ortlab._compat.torch import OpOverload
 from ortlab.errors import ExportError, FallbackError, SessionError, first_line
 from ortlab.provenance import module_path, op_name, source_line
 from ortlab.torchlib import is_translated
@@ -38,6 +39,7 @@ __all__ = [
     "Placement",
     "KINDS",
     "RANDOM_OPS",
+    "is_random",
     "KNOWN_WRONG",
     "normalize_op",
     "selector_matches",
@@ -61,6 +63,17 @@ RANDOM_OPS = frozenset({
     "aten.native_dropout", "aten.bernoulli", "aten.rand", "aten.rand_like", "aten.randn", "aten.randn_like",
     "aten.randint", "aten.randperm", "aten.multinomial",
 })
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """Does ``node`` draw from PyTorch's random stream? ``RANDOM_OPS``, and every op PyTorch tags as seeded
+    (``normal``, ``exponential``, ``randint_like``, ``poisson``, ``rrelu_with_noise``...): run anywhere else, it
+    would draw other numbers than eager's, silently (Note [Random ops keep their kernels] in
+    ``ortlab.capture.decompositions``)."""
+    target = node.target
+    return node.op == "call_function" and (
+        op_name(node) in RANDOM_OPS
+        or (isinstance(target, OpOverload) and torch.Tag.nondeterministic_seeded in target.tags))
 
 
 def _accumulating_index_put(node: torch.fx.Node) -> bool:
@@ -202,12 +215,10 @@ def initial_placement(gm: torch.fx.GraphModule, fallback_ops: Sequence[str] = ()
         if node.op != "call_function":
             continue
         name = op_name(node)
-        if name in RANDOM_OPS:
-            out[node.name] = Placement.of(node, "random", KINDS["random"])
-            continue
-        drawn = getattr(node.target, "_ortlab_random", None)  # ortlab's own random draws, with their reason
-        if drawn is not None:
-            out[node.name] = Placement.of(node, "random", drawn)
+        # random draws moved ahead (ortlab.pipeline.random_draws) carry their reason, on the node or its target
+        drawn = node.meta.get("ortlab_random") or getattr(node.target, "_ortlab_random", None)
+        if drawn is not None or is_random(node):
+            out[node.name] = Placement.of(node, "random", drawn or KINDS["random"])
             continue
         wrong = next((reason for op, predicate, reason in KNOWN_WRONG if name == op and predicate(node)), None)
         if wrong is not None:

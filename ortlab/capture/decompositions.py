@@ -49,6 +49,16 @@ __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_l
 
 aten = torch.ops.aten
 
+# Note [Random ops keep their kernels]
+# torch's decompositions of random ops (exponential_ as -log(1 - rand_like), normal_ as
+# randn * std + mean, cauchy_, geometric_, log_normal_, uniform_) draw other numbers than
+# eager's kernels, or the same numbers in another order: with the same seed, a model that
+# called ``exponential_`` in its forward trained on other noise than eager and left the random
+# stream elsewhere. Random ops are traced as the ops they are, and run in PyTorch
+# (``ortlab.placement.is_random``).
+_DRAWS = frozenset({"bernoulli", "cauchy", "exponential", "geometric", "log_normal", "normal", "uniform", "rand_like",
+                    "randn_like", "randint_like", "multinomial", "poisson", "random"})
+
 # Ops whose torchlib translation gives wrong results; traced through torch's decomposition.
 _FORCE_DECOMPOSE = (
     # Training-mode BatchNormalization: onnxruntime's CPU kernel ignores
@@ -73,6 +83,9 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     # AOTAutograd rejects it (``h[:, 0] = 0.0`` failed to capture); AOTAutograd handles
     # lift_fresh itself.
     table.pop(aten.lift_fresh.default, None)
+    # Note [Random ops keep their kernels]: a random op decomposed draws other numbers than eager's kernel.
+    for op in [op for op in table if op._opname.rstrip("_") in _DRAWS]:
+        del table[op]
     for op in _FORCE_DECOMPOSE:
         if op in aten_decompositions:
             table[op] = aten_decompositions[op]

@@ -18,9 +18,9 @@ from collections.abc import Callable
 import torch.fx
 
 from ortlab.errors import DeviceError, ExportError, FallbackError, InternalError, SessionError, first_line
-from ortlab.pipeline.dropout import hoist_dropout_masks
 from ortlab.pipeline.part import GraphContext, PartBuilder, PlacementRetry
-from ortlab.placement import RANDOM_OPS, Placement, check_raise, initial_placement
+from ortlab.pipeline.random_draws import draw_random_ahead
+from ortlab.placement import Placement, check_raise, initial_placement, is_random
 from ortlab.report import Fallback, GraphRecord, warn_fallback
 from ortlab.runtime.observe import observed_graph
 from ortlab.runtime.split import boxed, split_graph
@@ -56,11 +56,12 @@ def _compile(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphContext,
     record = GraphRecord(name=name, mode=mode, fx_ops=count_ops(gm), capture=ctx.capture, graph_module=gm)
     if ctx.stages.wants(name):
         ctx.stages.emit(StageArtifact(name, ctx.capture, mode, name, content=gm, seconds=split_s))
-    hoisted = hoist_dropout_masks(gm, ctx.options.fallback_ops)
-    if hoisted:
-        record.notes.append(f"{record.label}: {hoisted} dropout mask(s) drawn at the top of the graph, in eager's order, "
-                            "and the dropouts' multiplies run in onnxruntime (Note [Dropout masks drawn ahead of the "
-                            "graph], ortlab/pipeline/dropout.py)")
+    drawn = draw_random_ahead(gm, ctx.options.fallback_ops)
+    if drawn:
+        what = ", ".join(f"{n} dropout mask(s)" if kind == "dropout mask" else f"{n} {kind}" for kind, n in drawn.items())
+        record.notes.append(f"{record.label}: {what} drawn at the top of the graph, in eager's order, and what uses "
+                            "them runs in onnxruntime (Note [Random draws ahead of the graph], "
+                            "ortlab/pipeline/random_draws.py)")
     nodes = {n.name: n for n in gm.graph.nodes}
     placed = initial_placement(gm, ctx.options.fallback_ops, ctx.options.cache_dir)
     builder = PartBuilder(ctx, record, nodes)
@@ -69,7 +70,8 @@ def _compile(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphContext,
         builder.reset()
         try:
             # Random ops read eager's layouts wherever they run in PyTorch, named in fallback_ops too
-            random = {name for name, p in placed.items() if p.kind == "random" or p.op in RANDOM_OPS}
+            random = {name for name, p in placed.items()
+                      if p.kind == "random" or (name in nodes and is_random(nodes[name]))}
             fn = split_graph(gm, placed, builder, random)
         except PlacementRetry as retry:
             new = {n: p for n, p in retry.placements.items() if n not in placed}

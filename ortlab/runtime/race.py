@@ -152,7 +152,7 @@ PENDING_CALLS = 8
 # A graph split at ops that run in PyTorch repeats its parts once per layer: BERT-base's
 # forward, split at its 37 dropouts, was 51 parts, of which 48 are four graphs twelve times
 # over, and racing each one took 13.7 s of its first step (its dropouts' masks are now drawn
-# ahead of the graph, Note [Dropout masks drawn ahead of the graph], but any op in PyTorch in
+# ahead of the graph, Note [Random draws ahead of the graph], but any op in PyTorch in
 # every layer, an untranslatable one or a random op beside the dropouts, splits the same way).
 # A part whose graph is the same as an earlier part's (op for op, shapes, dtypes and
 # constants, names aside: the caller's key) takes that race's winner: its first call runs on the first-built session as usual, then

@@ -247,7 +247,7 @@ def test_ops_in_pytorch_are_compared_where_they_enter_onnxruntime():
     gelu = next(n for n in result.nodes if n.op == "aten.gelu")
     # PyTorch's reference run of the graph drew the same dropout mask as the step did.
     assert gelu.runtime == "pytorch" and gelu.status == "ok" and gelu.stats is not None
-    # The dropout's mask is drawn in PyTorch ahead of the graph (Note [Dropout masks drawn ahead of the graph]):
+    # The dropout's mask is drawn in PyTorch ahead of the graph (Note [Random draws ahead of the graph]):
     # compared where it enters onnxruntime, it is the mask the step drew; its multiplies run in onnxruntime.
     dropout = [n for n in result.nodes if n.module == "drop" and n.graph == "g0.forward"]
     masks = [n for n in dropout if n.op == "dropout_mask"]
