@@ -62,3 +62,62 @@ def test_grouped_convolution_backward_stays_in_pytorch_with_reason():
         om(x).sum().backward()
     model(x).sum().backward()
     torch.testing.assert_close(om.weight.grad, model.weight.grad, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("indices", [
+    "upsample",        # [None, None, rows[:, None], cols]: F.interpolate's, each index repeated
+    "negative",        # negative indices wrap
+    "middle",          # the indexed dims between others: [None, i, j] on a 4-D tensor
+    "three",           # three consecutive indexed dims
+    "broadcast_values",
+])
+def test_accumulating_index_put_as_one_scatter_add_matches_eager(indices):
+    """Note [Accumulating index_put as one scatter-add]: the decomposition against the op itself, repeated indices
+    summed."""
+    from ortlab.capture.decompositions import index_put_accumulate
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 3, 5, 6, generator=g, dtype=torch.float64)
+    rows, cols = torch.arange(10) // 2, torch.arange(12) // 2
+    idx, vshape = {
+        "upsample": ([None, None, rows[:, None], cols], (2, 3, 10, 12)),
+        "negative": ([None, None, -1 - rows[:, None], cols - 6], (2, 3, 10, 12)),
+        "middle": ([None, torch.tensor([0, 2, 2, 1]), torch.tensor([4, 4, 4, 0])], (2, 4, 6)),
+        "three": ([None, torch.tensor([1, 1]), torch.tensor([[0], [4]]), torch.tensor([5, 5])], (2, 2, 2)),
+        "broadcast_values": ([None, None, rows[:, None], cols], (12,)),
+    }[indices]
+    values = torch.randn(vshape, generator=g, dtype=torch.float64)
+    expected = torch.ops.aten.index_put.default(base, idx, values, True)
+    got = index_put_accumulate(base, idx, values, True)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "indexing"])
+def test_gathers_by_index_keep_their_backward_in_onnxruntime(mode):
+    """An upsampling's backward had been cut around PyTorch's index_put (two parts, ScatterND's race kept out)."""
+
+    class Up(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv(x)
+            if mode == "indexing":
+                h = h[:, :, torch.tensor([0, 2, 2, 1, -1])[:, None], torch.tensor([1, 1, 3, 3])]
+            else:
+                h = nn.functional.interpolate(h, scale_factor=2, mode=mode)
+            return (h * h.detach().sin()).sum()
+
+    torch.manual_seed(0)
+    model = Up()
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    x = torch.randn(2, 3, 8, 8)
+    out, ref = om(x), model(x)
+    out.backward()
+    ref.backward()
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    for p, q in zip(model.parameters(), om.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
+    assert not om.report.fallbacks
+    assert [len(g.parts) for c in om.report.captures for g in c.graphs] == [1, 1]

@@ -45,7 +45,8 @@ from ortlab._compat.torch import OpOverload, aten_decompositions, onnx_friendly_
 from ortlab.torchlib import overload, translated_ops
 
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
-           "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact"]
+           "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
+           "index_put_accumulate"]
 
 aten = torch.ops.aten
 
@@ -90,6 +91,8 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
         if op in aten_decompositions:
             table[op] = aten_decompositions[op]
     table[aten.convolution_backward.default] = convolution_backward
+    table[aten.index_put.default] = index_put_accumulate
+    table[aten._unsafe_index_put.default] = index_put_accumulate
     table[aten.native_layer_norm.default] = native_layer_norm_float64
     table[aten.native_group_norm.default] = native_group_norm_exact
     table[aten._scaled_dot_product_flash_attention_for_cpu.default] = flash_attention_for_cpu
@@ -251,6 +254,48 @@ def convolution_backward(
     if output_mask[2]:
         grad_bias = grad_output.sum(dim=[0, *spatial])
     return grad_input, grad_weight, grad_bias
+
+
+# Note [Accumulating index_put as one scatter-add]
+# ``index_put(self, indices, values, accumulate=True)`` is the backward of every gather by
+# tensor indices: ``F.interpolate``'s (bilinear and nearest upsampling index with
+# ``[None, None, rows[:, None], cols]``), advanced indexing ``h[:, :, i, j]``. torchlib
+# translates it to ScatterND(reduction="add"), which onnxruntime's CPU kernel runs in
+# parallel with no care for repeated indices (wrong sums; ``KNOWN_WRONG`` in
+# ``ortlab.placement`` sends it to PyTorch and cuts the graph there: an upsampling's backward
+# was two parts, four ``_unsafe_index_put`` between them for a bilinear one). Where the
+# indexed dims are consecutive and the indices are integers, the same sums are one
+# scatter-add along one dim: view ``self`` with the indexed dims as one, ``sum_j i_j *
+# stride_j`` (negative indices wrapped as PyTorch wraps them) the index into it, and
+# ``scatter_add`` (ScatterElements(reduction="add"), which adds repeated indices in turn) along
+# it. Other forms (bool masks, indexed dims apart, symbolic sizes, a single index on dim 0,
+# which torchlib's own translation already takes to ScatterElements) keep the op.
+
+
+def index_put_accumulate(self: torch.Tensor, indices: list, values: torch.Tensor,
+                         accumulate: bool = False) -> torch.Tensor:
+    """``index_put(..., accumulate=True)`` as one ``scatter_add`` (Note [Accumulating index_put as one
+    scatter-add]); ``NotImplemented`` for the forms it leaves to the op."""
+    dims = [d for d, i in enumerate(indices) if i is not None]
+    if (not accumulate or not dims or (len(indices) == 1 and dims == [0])
+            or dims != list(range(dims[0], dims[-1] + 1))
+            or any(indices[d].dtype in (torch.bool, torch.uint8) for d in dims)
+            or any(not isinstance(n, int) for n in (*self.shape, *values.shape, *(n for d in dims
+                                                                                   for n in indices[d].shape)))):
+        return NotImplemented
+    first, end = dims[0], dims[-1] + 1
+    index = torch.broadcast_tensors(*(indices[d] for d in dims))
+    flat = None
+    for d, i in zip(range(first, end), index):
+        i = torch.where(i < 0, i + self.shape[d], i)
+        flat = i if flat is None else flat * self.shape[d] + i
+    lead, rest = list(self.shape[:first]), list(self.shape[end:])
+    shape = [*lead, *index[0].shape, *rest]
+    count = math.prod(index[0].shape)
+    v = values.expand(shape).reshape(*lead, count, *rest)
+    where = flat.reshape([1] * len(lead) + [count] + [1] * len(rest)).expand(v.shape)
+    summed = self.reshape(*lead, math.prod(self.shape[first:end]), *rest).scatter_add(first, where, v)
+    return summed.reshape(self.shape)
 
 
 def _conv2d_input_grad(grad_output: torch.Tensor, input_shape: torch.Size, weight: torch.Tensor,
