@@ -61,8 +61,8 @@ DRAWN_REASON = ("random op: drawn in PyTorch at the top of the graph, in eager's
 
 @functools.lru_cache(maxsize=32)
 def _zeros(shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Zeros of this layout, made once: ``native_dropout`` only reads them, and a fresh tensor each step cost
-    its page faults (3 ms of the 21 a [8, 12, 128, 128] mask took here)."""
+    """Zeros of this layout, made once: the draws only read their layout, and a fresh tensor each step cost
+    its page faults (3 ms of the 21 a [8, 12, 128, 128] dropout mask took here)."""
     return torch.zeros_like(torch.empty_strided(shape, stride, dtype=dtype, device=device),
                             memory_format=torch.preserve_format)
 
