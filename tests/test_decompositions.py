@@ -67,7 +67,7 @@ def test_grouped_convolution_backward_stays_in_pytorch_with_reason():
 @pytest.mark.parametrize("indices", [
     "upsample",        # [None, None, rows[:, None], cols]: F.interpolate's, each index repeated
     "negative",        # negative indices wrap
-    "middle",          # the indexed dims between others: [None, i, j] on a 4-D tensor
+    "middle",          # the indexed dims between others: [None, i, j] on a 4-D tensor, one index int32
     "three",           # three consecutive indexed dims
     "broadcast_values",
 ])
@@ -82,7 +82,7 @@ def test_accumulating_index_put_as_one_scatter_add_matches_eager(indices):
     idx, vshape = {
         "upsample": ([None, None, rows[:, None], cols], (2, 3, 10, 12)),
         "negative": ([None, None, -1 - rows[:, None], cols - 6], (2, 3, 10, 12)),
-        "middle": ([None, torch.tensor([0, 2, 2, 1]), torch.tensor([4, 4, 4, 0])], (2, 4, 6)),
+        "middle": ([None, torch.tensor([0, 2, 2, 1], dtype=torch.int32), torch.tensor([4, 4, 4, 0])], (2, 4, 6)),
         "three": ([None, torch.tensor([1, 1]), torch.tensor([[0], [4]]), torch.tensor([5, 5])], (2, 2, 2)),
         "broadcast_values": ([None, None, rows[:, None], cols], (12,)),
     }[indices]
@@ -90,6 +90,8 @@ def test_accumulating_index_put_as_one_scatter_add_matches_eager(indices):
     expected = torch.ops.aten.index_put.default(base, idx, values, True)
     got = index_put_accumulate(base, idx, values, True)
     torch.testing.assert_close(got, expected)
+    empty = [None, None, rows[:0, None], cols[:0]]
+    assert index_put_accumulate(base, empty, base[:, :, :0, :0], True) is NotImplemented
 
 
 @pytest.mark.parametrize("mode", ["bilinear", "nearest", "indexing"])

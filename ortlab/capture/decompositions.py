@@ -285,13 +285,16 @@ def index_put_accumulate(self: torch.Tensor, indices: list, values: torch.Tensor
         return NotImplemented
     first, end = dims[0], dims[-1] + 1
     index = torch.broadcast_tensors(*(indices[d] for d in dims))
+    count = math.prod(index[0].shape)
+    if count == 0 or self.numel() == 0:  # nothing to add; empty tensors inside a graph are what plugins trip on
+        return NotImplemented
     flat = None
     for d, i in zip(range(first, end), index):
+        i = i.to(torch.int64)  # int32 indices, whose flat index could overflow; scatter_add takes int64
         i = torch.where(i < 0, i + self.shape[d], i)
         flat = i if flat is None else flat * self.shape[d] + i
     lead, rest = list(self.shape[:first]), list(self.shape[end:])
     shape = [*lead, *index[0].shape, *rest]
-    count = math.prod(index[0].shape)
     v = values.expand(shape).reshape(*lead, count, *rest)
     where = flat.reshape([1] * len(lead) + [count] + [1] * len(rest)).expand(v.shape)
     summed = self.reshape(*lead, math.prod(self.shape[first:end]), *rest).scatter_add(first, where, v)
