@@ -123,3 +123,45 @@ def test_gathers_by_index_keep_their_backward_in_onnxruntime(mode):
         torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
     assert not om.report.fallbacks
     assert [len(g.parts) for c in om.report.captures for g in c.graphs] == [1, 1]
+
+
+@pytest.mark.parametrize(("size", "stride", "offset"), [
+    ([2, 32], [32, 1], 0),       # the whole base (AdaptiveAvgPool1d's backward under Swin's pooler)
+    ([3, 4, 1], [4, 1, 1], 10),  # a contiguous run inside it
+    ([4, 3], [1, 4], 0),         # a transposed view: torch's decomposition
+])
+def test_contiguous_as_strided_scatter_is_a_slice_scatter(size, stride, offset):
+    """Note [A contiguous as_strided_scatter is a slice_scatter]: the same result as the op."""
+    from ortlab.capture.decompositions import as_strided_scatter_contiguous
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, generator=g)
+    src = torch.randn(size, generator=g)
+    expected = torch.as_strided_scatter(base, src, size, stride, offset)
+    torch.testing.assert_close(as_strided_scatter_contiguous(base, src, size, stride, offset), expected)
+
+
+def test_adaptive_average_pool_1d_backward_runs_in_onnxruntime():
+    """Swin's pooler (AdaptiveAvgPool1d over a transposed sequence) had cut its backward around as_strided_scatter."""
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.pool = nn.AdaptiveAvgPool1d(1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.pool(self.lin(x).transpose(1, 2)).flatten(1).square().sum()
+
+    torch.manual_seed(0)
+    model = Pooled()
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    x = torch.randn(2, 5, 8)
+    out, ref = om(x), model(x)
+    out.backward()
+    ref.backward()
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    for p, q in zip(model.parameters(), om.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
+    assert not om.report.fallbacks
+    assert [len(g.parts) for c in om.report.captures for g in c.graphs] == [1, 1]

@@ -46,7 +46,7 @@ from ortlab.torchlib import overload, translated_ops
 
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
-           "index_put_accumulate"]
+           "index_put_accumulate", "as_strided_scatter_contiguous"]
 
 aten = torch.ops.aten
 
@@ -92,6 +92,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
             table[op] = aten_decompositions[op]
     table[aten.convolution_backward.default] = convolution_backward
     table[aten.index_put.default] = index_put_accumulate
+    table[aten.as_strided_scatter.default] = as_strided_scatter_contiguous
     table[aten._unsafe_index_put.default] = index_put_accumulate
     table[aten.native_layer_norm.default] = native_layer_norm_float64
     table[aten.native_group_norm.default] = native_group_norm_exact
@@ -299,6 +300,37 @@ def index_put_accumulate(self: torch.Tensor, indices: list, values: torch.Tensor
     where = flat.reshape([1] * len(lead) + [count] + [1] * len(rest)).expand(v.shape)
     summed = self.reshape(*lead, math.prod(self.shape[first:end]), *rest).scatter_add(first, where, v)
     return summed.reshape(self.shape)
+
+
+# Note [A contiguous as_strided_scatter is a slice_scatter]
+# AOTAutograd writes a gradient into a view it cannot name otherwise as ``as_strided_scatter``
+# (``AdaptiveAvgPool1d``'s backward under Hugging Face Swin's pooler): torch decomposes it to
+# ``prims.as_strided_scatter``, which has no ONNX translation, so the backward was cut around it
+# in PyTorch. Where the base is contiguous and the view's strides are the contiguous ones of its
+# size, the view is the flat elements ``[offset, offset + numel)`` of the base, and the scatter
+# is a ``slice_scatter`` of the flattened source there (a reshape where it covers the whole
+# base). Any other view keeps torch's decomposition.
+
+
+def as_strided_scatter_contiguous(self: torch.Tensor, src: torch.Tensor, size: list[int], stride: list[int],
+                                  storage_offset: int | None = None) -> torch.Tensor:
+    """``as_strided_scatter`` of a contiguous view of a contiguous base as a ``slice_scatter`` (Note [A contiguous
+    as_strided_scatter is a slice_scatter]); torch's decomposition otherwise."""
+    offset = storage_offset or 0
+    numel = math.prod(size)
+    expected, step = [], 1
+    for n in reversed(size):
+        expected.insert(0, step)
+        step *= n
+    if (any(not isinstance(n, int) for n in (*self.shape, *self.stride(), *size, *stride, offset))
+            or not self.is_contiguous() or self.storage_offset() != 0
+            or any(s != e for n, s, e in zip(size, stride, expected) if n != 1)
+            or offset + numel > self.numel() or numel == 0):
+        return aten_decompositions[aten.as_strided_scatter.default](self, src, size, stride, storage_offset)
+    flat = src.reshape(numel)
+    if numel == self.numel():
+        return flat.reshape(self.shape)
+    return self.reshape(-1).slice_scatter(flat, 0, offset, offset + numel).reshape(self.shape)
 
 
 def _conv2d_input_grad(grad_output: torch.Tensor, input_shape: torch.Size, weight: torch.Tensor,
