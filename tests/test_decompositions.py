@@ -94,6 +94,19 @@ def test_accumulating_index_put_as_one_scatter_add_matches_eager(indices):
     assert index_put_accumulate(base, empty, base[:, :, :0, :0], True) is NotImplemented
 
 
+def _one_part_per_graph_beside_eager(model: nn.Module, x: torch.Tensor) -> None:
+    """One step beside eager: the same loss and gradients, nothing in PyTorch, one onnxruntime part per graph."""
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    out, ref = om(x), model(x)
+    out.backward()
+    ref.backward()
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    for p, q in zip(model.parameters(), om.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
+    assert not om.report.fallbacks
+    assert [len(g.parts) for c in om.report.captures for g in c.graphs] == [1, 1]
+
+
 @pytest.mark.parametrize("mode", ["bilinear", "nearest", "indexing"])
 def test_gathers_by_index_keep_their_backward_in_onnxruntime(mode):
     """An upsampling's backward had been cut around PyTorch's index_put (two parts, ScatterND's race kept out)."""
@@ -112,17 +125,7 @@ def test_gathers_by_index_keep_their_backward_in_onnxruntime(mode):
             return (h * h.detach().sin()).sum()
 
     torch.manual_seed(0)
-    model = Up()
-    om = ortlab.ORTModule(copy.deepcopy(model))
-    x = torch.randn(2, 3, 8, 8)
-    out, ref = om(x), model(x)
-    out.backward()
-    ref.backward()
-    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
-    for p, q in zip(model.parameters(), om.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
-    assert not om.report.fallbacks
-    assert [len(g.parts) for c in om.report.captures for g in c.graphs] == [1, 1]
+    _one_part_per_graph_beside_eager(Up(), torch.randn(2, 3, 8, 8))
 
 
 @pytest.mark.parametrize(("size", "stride", "offset"), [
@@ -154,14 +157,4 @@ def test_adaptive_average_pool_1d_backward_runs_in_onnxruntime():
             return self.pool(self.lin(x).transpose(1, 2)).flatten(1).square().sum()
 
     torch.manual_seed(0)
-    model = Pooled()
-    om = ortlab.ORTModule(copy.deepcopy(model))
-    x = torch.randn(2, 5, 8)
-    out, ref = om(x), model(x)
-    out.backward()
-    ref.backward()
-    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
-    for p, q in zip(model.parameters(), om.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
-    assert not om.report.fallbacks
-    assert [len(g.parts) for c in om.report.captures for g in c.graphs] == [1, 1]
+    _one_part_per_graph_beside_eager(Pooled(), torch.randn(2, 5, 8))
