@@ -158,3 +158,50 @@ def test_adaptive_average_pool_1d_backward_runs_in_onnxruntime():
 
     torch.manual_seed(0)
     _one_part_per_graph_beside_eager(Pooled(), torch.randn(2, 5, 8))
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil_mode", "count_include_pad", "divisor"), [
+    ((2, 2), None, (0, 0), False, True, None),    # DenseNet's transition: non-overlapping windows, a repeat
+    ((3, 3), (1, 1), (1, 1), False, False, None),  # Inception's branch: overlapping, the padding left out
+    ((2, 1), (2, 1), (0, 0), True, True, None),   # Funnel's sequence pooling, an odd length: ceil_mode
+    ((3, 2), (2, 3), (1, 0), True, False, None),  # overlapping along H, gaps along W, the last rows uncovered
+    ((3, 3), (2, 2), (1, 1), False, True, 5),     # divisor_override
+])
+def test_average_pooling_backward_as_repeats_and_shifted_sums(kernel, stride, padding, ceil_mode, count_include_pad,
+                                                              divisor):
+    """Note [Average pooling's backward as repeats and shifted sums]: the decomposition against the op."""
+    from ortlab.capture.decompositions import avg_pool2d_backward
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(2, 3, 9, 7), (3, 8, 8)]:
+        x = torch.randn(shape, generator=g, dtype=torch.float64)
+        args = (kernel, stride or [], padding, ceil_mode, count_include_pad, divisor)
+        grad = torch.randn(torch.ops.aten.avg_pool2d.default(x, *args).shape, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(avg_pool2d_backward(grad, x, *args),
+                                   torch.ops.aten.avg_pool2d_backward.default(grad, x, *args))
+
+
+@pytest.mark.parametrize("pool", ["densenet", "inception", "funnel", "avg_pool1d"])
+def test_average_pooling_keeps_its_backward_in_onnxruntime(pool):
+    """avg_pool2d_backward had no translation: every average pooling cut its backward around it in PyTorch."""
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv(x)
+            if pool == "densenet":
+                h = nn.functional.avg_pool2d(h, 2)
+            elif pool == "inception":
+                h = nn.functional.avg_pool2d(h, 3, stride=1, padding=1, count_include_pad=False)
+            elif pool == "funnel":  # Funnel's pooling of a [batch, 1, tokens, d] view, tokens odd
+                h = nn.functional.avg_pool2d(h.flatten(2).unsqueeze(1)[:, :, :-1], (2, 1), stride=(2, 1),
+                                             ceil_mode=True)
+            else:
+                h = nn.functional.avg_pool1d(h.flatten(2), 3, stride=2, padding=1)
+            return (h * h.detach().sin()).sum()
+
+    torch.manual_seed(0)
+    _one_part_per_graph_beside_eager(Pooled(), torch.randn(2, 3, 7, 6))

@@ -46,7 +46,7 @@ from ortlab.torchlib import overload, translated_ops
 
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
-           "index_put_accumulate", "as_strided_scatter_contiguous"]
+           "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward"]
 
 aten = torch.ops.aten
 
@@ -93,6 +93,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.convolution_backward.default] = convolution_backward
     table[aten.index_put.default] = index_put_accumulate
     table[aten.as_strided_scatter.default] = as_strided_scatter_contiguous
+    table[aten.avg_pool2d_backward.default] = avg_pool2d_backward
     table[aten._unsafe_index_put.default] = index_put_accumulate
     table[aten.native_layer_norm.default] = native_layer_norm_float64
     table[aten.native_group_norm.default] = native_group_norm_exact
@@ -331,6 +332,80 @@ def as_strided_scatter_contiguous(self: torch.Tensor, src: torch.Tensor, size: l
     if numel == self.numel():
         return flat.reshape(self.shape)
     return self.reshape(-1).slice_scatter(flat, 0, offset, offset + numel).reshape(self.shape)
+
+
+# Note [Average pooling's backward as repeats and shifted sums]
+# ``avg_pool2d_backward`` has no ONNX translation in torchlib and no decomposition in torch, so
+# every average pooling (``F.avg_pool1d``/``avg_pool2d``: Funnel's sequence pooling, DenseNet's
+# transitions, Inception's 3x3 branches) cut its graph's backward around the op in PyTorch.
+# The gradient is each output's gradient divided by its window's divisor and added to every
+# input of its window, and windows are products of one window per spatial dim, so it is done
+# one dim at a time (H, then W), in plain ops every engine runs well:
+# * the divisor map first: ``divisor_override``, or per output the window's size clipped to the
+#   padded input (``count_include_pad``) or to the input itself, as PyTorch's kernel counts it;
+#   a product of a row and a column, built from ``arange`` (constants the optimizer folds);
+# * along a dim with kernel k and stride s, output o covers padded positions [o*s, o*s + k):
+#   k == s is a repeat (expand and reshape), k < s a repeat and s - k zeros, k > s a sum of k
+#   shifted copies of the gradient spread s apart (zeros between);
+# * then the padding's rows are cut off, and rows no window covers (the last ones, without
+#   ceil_mode) are zeros.
+# A grouped ConvTranspose with a ones kernel says the same, but onnxruntime's CPU kernel runs a
+# GEMM per channel, and a Col2Im runs on OpenVINO's reference kernel (Note [Input gradients of
+# convolutions for OpenVINO] in ortlab.runtime.openvino).
+
+
+def _pool_window_sizes(n_in: int, n_out: int, kernel: int, stride: int, pad: int,
+                       count_include_pad: bool, like: torch.Tensor) -> torch.Tensor:
+    """Per output position along one dim, how many positions its window counts (PyTorch's avg_pool2d)."""
+    start = torch.arange(n_out, device=like.device) * stride - pad
+    end = torch.clamp(start + kernel, max=n_in + pad)
+    if count_include_pad:
+        return end - start
+    return torch.clamp(end, max=n_in) - torch.clamp(start, min=0)
+
+
+def _pool_spread(grad: torch.Tensor, dim: int, n_in: int, kernel: int, stride: int, pad: int) -> torch.Tensor:
+    """Each position of ``grad`` along ``dim`` added to its window's ``kernel`` inputs (Note [Average pooling's
+    backward as repeats and shifted sums]): the input-sized gradient along ``dim``."""
+    n_out, shape = grad.shape[dim], list(grad.shape)
+    after = [0, 0] * (grad.dim() - 1 - dim)  # F.pad's (before, after) pairs for the dims past ``dim``
+    taps = kernel if kernel <= stride else 1  # positions each output fills before the next output's
+    # Each output laid over ``stride`` positions: its value on the first ``taps``, zeros on the rest.
+    spread = grad.unsqueeze(dim + 1).expand(*shape[:dim + 1], taps, *shape[dim + 1:])
+    if taps < stride:
+        spread = torch.cat([spread, spread.new_zeros(*shape[:dim + 1], stride - taps, *shape[dim + 1:])], dim + 1)
+    spread = spread.reshape(*shape[:dim], n_out * stride, *shape[dim + 1:])
+    length = stride * (n_out - 1) + kernel  # the padded positions the windows reach
+    if kernel <= stride:
+        spread = spread.narrow(dim, 0, length)
+    else:  # overlapping windows: ``kernel`` copies, each shifted one further
+        spread = spread.narrow(dim, 0, stride * (n_out - 1) + 1)
+        shifted = [torch.nn.functional.pad(spread, [*after, i, kernel - 1 - i]) for i in range(kernel)]
+        spread = functools.reduce(torch.add, shifted)
+    if pad + n_in > length:  # inputs past the last window (ceil_mode off) get no gradient
+        spread = torch.nn.functional.pad(spread, [*after, 0, pad + n_in - length])
+    return spread.narrow(dim, pad, n_in)
+
+
+def avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: list[int], stride: list[int],
+                        padding: list[int], ceil_mode: bool, count_include_pad: bool,
+                        divisor_override: int | None) -> object:
+    """``avg_pool2d_backward`` as repeats and shifted sums (Note [Average pooling's backward as repeats and shifted
+    sums]); ``NotImplemented`` (the op in PyTorch) for symbolic or empty sizes."""
+    if any(not isinstance(n, int) for n in (*grad_output.shape, *self.shape)) or self.numel() == 0:
+        return NotImplemented
+    kernel = list(kernel_size) * (2 // len(kernel_size))
+    step = list(stride or kernel) * (2 // len(stride or kernel))
+    pad = list(padding) * (2 // len(padding))
+    (h, w), (ho, wo) = self.shape[-2:], grad_output.shape[-2:]
+    if divisor_override:
+        grad = grad_output / divisor_override
+    else:
+        rows = _pool_window_sizes(h, ho, kernel[0], step[0], pad[0], count_include_pad, grad_output)
+        cols = _pool_window_sizes(w, wo, kernel[1], step[1], pad[1], count_include_pad, grad_output)
+        grad = grad_output / (rows[:, None] * cols[None, :]).to(grad_output.dtype)
+    grad = _pool_spread(grad, grad.dim() - 2, h, kernel[0], step[0], pad[0])
+    return _pool_spread(grad, grad.dim() - 1, w, kernel[1], step[1], pad[1])
 
 
 def _conv2d_input_grad(grad_output: torch.Tensor, input_shape: torch.Size, weight: torch.Tensor,
