@@ -88,6 +88,8 @@ def _uses_secondary_outputs(node: torch.fx.Node) -> bool:
 
 _EMPTY_STATS = ("torchlib returns an empty placeholder for this attention kernel's logsumexp and other "
                 "statistics, which its backward reads")
+_ZERO_BAGS = ("torchlib fills embedding_bag's offset2bag, bag_size and max_indices with zeros of their shapes, and its "
+              "backward reads them (mean and max bags' gradients came out wrong)")
 _SCATTER_RACE = "onnxruntime's ScatterND(reduction=add) races on repeated indices (wrong, non-deterministic sums)"
 
 
@@ -136,7 +138,9 @@ _FLOAT64_INEXACT = (
 # placeholders (``_aten__scaled_dot_product_flash_attention_fillin_empty_outputs``);
 # a backward reading them in PyTorch computed gradients wrong by hundreds. The CPU
 # kernel is traced as math (ortlab.capture.decompositions); should one reach export,
-# it runs in PyTorch whole.
+# it runs in PyTorch whole. ``embedding_bag``'s translation does the same with its bags' offsets,
+# sizes and argmaxes: an EmbeddingBag(mode="mean") trained with every index's gradient
+# equal, silently; it runs in PyTorch where anything reads them.
 KNOWN_WRONG: tuple[tuple[str, Callable[[torch.fx.Node], bool], str], ...] = (
     ("aten._unsafe_index_put", _accumulating_index_put, _SCATTER_RACE),
     ("aten.index_put", _accumulating_index_put, _SCATTER_RACE),
@@ -144,6 +148,8 @@ KNOWN_WRONG: tuple[tuple[str, Callable[[torch.fx.Node], bool], str], ...] = (
     ("aten._scaled_dot_product_flash_attention", _uses_secondary_outputs, _EMPTY_STATS),
     ("aten._scaled_dot_product_efficient_attention", _uses_secondary_outputs, _EMPTY_STATS),
     ("aten._scaled_dot_product_cudnn_attention", _uses_secondary_outputs, _EMPTY_STATS),
+    *((op, _uses_secondary_outputs, _ZERO_BAGS)
+      for op in ("aten._embedding_bag", "aten.embedding_bag", "aten._embedding_bag_forward_only")),
     *((op, _float64_with_numbers, _FLOAT32_NUMBERS) for op in _FLOAT64_INEXACT),
 )
 

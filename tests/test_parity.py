@@ -885,3 +885,31 @@ def test_a_meta_module_propagates_shapes_in_pytorch_and_says_so():
     assert fb.scope == "graph"
     with pytest.raises(ortlab.FallbackError, match="meta tensors"):
         ortlab.ORTModule(nn.Linear(4, 4, device="meta"), fallback="raise")(torch.randn(2, 4, device="meta"))
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_gradients_match(mode):
+    """torchlib fills embedding_bag's offset2bag, bag_size and max_indices with zeros; the backward read them,
+    and a mean EmbeddingBag's weight gradient came out the same row for every index (silently)."""
+
+    class Bags(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bag = nn.EmbeddingBag(12, 4, mode=mode)
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+            return self.head(self.bag(ids, offsets, per_sample_weights=weights))
+
+    eager, om = twin(Bags())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        g = gen(step)
+        weights = torch.rand(9, generator=g) if mode == "sum" else None
+        return (torch.randint(0, 12, (9,), generator=g), torch.tensor([0, 3, 3, 5]), weights), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert any(f.kind == "known_wrong" and "embedding_bag" in f.op for f in om.report.fallbacks)
+    with torch.no_grad():  # inference reads only the bags' sums: onnxruntime runs it
+        args = inputs(5)[0]
+        torch.testing.assert_close(om(*args), eager(*args))
