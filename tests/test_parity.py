@@ -913,3 +913,52 @@ def test_embedding_bag_gradients_match(mode):
     with torch.no_grad():  # inference reads only the bags' sums: onnxruntime runs it
         args = inputs(5)[0]
         torch.testing.assert_close(om(*args), eager(*args))
+
+
+def test_a_copy_broadcasts_its_source():
+    """torchlib's ``copy`` kept the source's shape: ``torch.empty(4, 3).copy_(v)`` of a [3] vector came out [3] and
+    its sum was a quarter of eager's (silently)."""
+
+    class Broadcast(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            buf = torch.empty(4, 3)
+            buf.copy_(self.lin(x).mean(0))
+            grid = torch.zeros(2, 4, 3)
+            grid[..., 1] = x[:4, 0]  # a [4] source into a [2, 4] view
+            return (buf * grid[0]).sum(), buf
+
+    eager, om = twin(Broadcast())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(5, 3, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)
+
+
+def test_affine_grid_and_grid_sample_train_like_eager():
+    """A spatial transformer: F.affine_grid's base grid (a broadcast copy) had crashed onnxruntime in the backward."""
+
+    class Transformer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+            self.theta = nn.Linear(4, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv(x)
+            grid = nn.functional.affine_grid(self.theta(h.mean((2, 3))).view(-1, 2, 3), list(h.shape),
+                                             align_corners=False)
+            return nn.functional.grid_sample(h, grid, align_corners=False).square().mean()
+
+    eager, om = twin(Transformer())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(2, 3, 8, 8, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert [f.op for f in om.report.fallbacks] == ["aten.grid_sampler_2d_backward"]

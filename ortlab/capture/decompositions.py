@@ -40,13 +40,14 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ortlab._compat.torch import OpOverload, aten_decompositions, onnx_friendly_decompositions
 from ortlab.torchlib import overload, translated_ops
 
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
-           "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward"]
+           "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast"]
 
 aten = torch.ops.aten
 
@@ -94,6 +95,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.index_put.default] = index_put_accumulate
     table[aten.as_strided_scatter.default] = as_strided_scatter_contiguous
     table[aten.avg_pool2d_backward.default] = avg_pool2d_backward
+    table[aten.copy.default] = copy_broadcast
     table[aten._unsafe_index_put.default] = index_put_accumulate
     table[aten.native_layer_norm.default] = native_layer_norm_float64
     table[aten.native_group_norm.default] = native_group_norm_exact
@@ -301,6 +303,23 @@ def index_put_accumulate(self: torch.Tensor, indices: list, values: torch.Tensor
     where = flat.reshape([1] * len(lead) + [count] + [1] * len(rest)).expand(v.shape)
     summed = self.reshape(*lead, math.prod(self.shape[first:end]), *rest).scatter_add(first, where, v)
     return summed.reshape(self.shape)
+
+
+# Note [A copy broadcasts its source]
+# ``dst.copy_(src)`` (and ``dst[...] = src``, which functionalization turns into ``copy``) broadcasts
+# ``src`` to ``dst``'s shape. torchlib translates ``copy`` as ``CastLike(src, dst)``, which keeps
+# ``src``'s shape: ``torch.empty(4, 3).copy_(v)`` of a ``[3]`` vector came out ``[3]``, and its sum
+# was a quarter of eager's (silently); ``F.affine_grid``'s base grid (``base[..., 0].copy_(linspace)``)
+# crashed onnxruntime in its backward. A copy whose source has another shape is traced as the source
+# cast and expanded to the destination's shape; an equal shape keeps the op.
+
+
+def copy_broadcast(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> object:
+    """``copy`` of a source of another shape as a cast and an expand (Note [A copy broadcasts its source]);
+    ``NotImplemented`` (the op) where the shapes are equal."""
+    if src.dim() == self.dim() and all(statically_known_true(a == b) for a, b in zip(src.shape, self.shape)):
+        return NotImplemented  # symbolic sizes compared without a guard; unknown ones expand, which is exact anyway
+    return src.to(dtype=self.dtype, device=self.device).expand(self.shape).clone()
 
 
 # Note [A contiguous as_strided_scatter is a slice_scatter]
