@@ -962,3 +962,66 @@ def test_affine_grid_and_grid_sample_train_like_eager():
 
     assert_parity(eager, om, inputs, steps=2, lr=0.1)
     assert [f.op for f in om.report.fallbacks] == ["aten.grid_sampler_2d_backward"]
+
+
+def test_a_matrix_vector_product_of_a_transposed_matrix_and_its_gradients():
+    """onnxruntime fuses a Transpose into a MatMul with a vector wrong (Note [mv as a matrix product]):
+    ``torch.mv(W.t(), v)`` and every mv's backward gave other numbers than eager's, silently."""
+
+    class Products(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, 4))
+            self.v = nn.Parameter(torch.randn(5))
+            self.register_buffer("u", torch.randn(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a = torch.mv(self.w.t(), self.v)        # the fused Transpose
+            b = torch.mv(self.w, self.u) @ self.v  # its backward: mv(w.t(), grad)
+            with torch.no_grad():
+                c = self.w.H @ self.v
+            return (a * x).sum() + b + (c * x).sum()
+
+    eager, om = twin(Products())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(4, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)
+
+
+def test_spectral_norm_trains_like_eager():
+    """Spectral norm's power iteration (torch.mv(W.H, u) into its buffers) ran a sigma hundreds of times off."""
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2))
+    eager, om = twin(model)
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(4, 8, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=3, lr=0.1)
+    assert_state_dict_close(eager, om)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_multilabel_margin_loss_matches_eager(reduction):
+    """torch's decomposition of multilabel_margin_loss counted the target slots after the first -1 (Note
+    [Multilabel margin loss with its target slots masked]): 6.4 against eager's 1.8, silently."""
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 5)
+            self.loss = nn.MultiLabelMarginLoss(reduction=reduction)
+
+        def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return self.loss(self.lin(x), target)
+
+    eager, om = twin(Tagger())
+    target = torch.tensor([[1, 3, -1, 0, 0], [4, -1, 2, 2, 2], [0, 1, 2, 3, 4], [-1, 0, 0, 0, 0]])
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(4, 6, generator=gen(step)), target), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)

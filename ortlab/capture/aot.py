@@ -17,20 +17,28 @@ import torch
 import torch.fx
 
 from ortlab._compat.torch import SDPA_TARGETS, aot_module_simplified
-from ortlab.capture.decompositions import decomposition_table, sdpa_math
+from ortlab.capture.decompositions import decomposition_table, multilabel_margin_loss, sdpa_math
 from ortlab.errors import DeviceError
 
-__all__ = ["rewrite_sdpa", "graph_device", "trace"]
+__all__ = ["rewrite_calls", "graph_device", "trace"]
 
 Compiler = Callable[[torch.fx.GraphModule, Sequence[object]], Callable]
 
 
-def rewrite_sdpa(gm: torch.fx.GraphModule) -> int:
-    """Replace fused SDPA calls by their math form (see ``decompositions``); returns how many."""
+# Calls in Dynamo's graph traced as ortlab's math instead, before AOTAutograd differentiates them.
+_MULTILABEL_MARGIN = frozenset({torch.nn.functional.multilabel_margin_loss, torch._C._nn.multilabel_margin_loss})
+
+
+def rewrite_calls(gm: torch.fx.GraphModule) -> int:
+    """Replace fused SDPA calls by their math form (see ``decompositions``), and multilabel margin losses by
+    theirs (Note [Multilabel margin loss with its target slots masked]); returns how many."""
     count = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in SDPA_TARGETS:
             node.target = sdpa_math
+            count += 1
+        elif node.op == "call_function" and node.target in _MULTILABEL_MARGIN:
+            node.target = multilabel_margin_loss
             count += 1
     if count:
         gm.recompile()

@@ -47,7 +47,8 @@ from ortlab.torchlib import overload, translated_ops
 
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
-           "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast"]
+           "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast",
+           "mv_as_mm", "multilabel_margin_loss"]
 
 aten = torch.ops.aten
 
@@ -96,6 +97,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.as_strided_scatter.default] = as_strided_scatter_contiguous
     table[aten.avg_pool2d_backward.default] = avg_pool2d_backward
     table[aten.copy.default] = copy_broadcast
+    table[aten.mv.default] = mv_as_mm
     table[aten._unsafe_index_put.default] = index_put_accumulate
     table[aten.native_layer_norm.default] = native_layer_norm_float64
     table[aten.native_group_norm.default] = native_group_norm_exact
@@ -303,6 +305,59 @@ def index_put_accumulate(self: torch.Tensor, indices: list, values: torch.Tensor
     where = flat.reshape([1] * len(lead) + [count] + [1] * len(rest)).expand(v.shape)
     summed = self.reshape(*lead, math.prod(self.shape[first:end]), *rest).scatter_add(first, where, v)
     return summed.reshape(self.shape)
+
+
+# Note [Multilabel margin loss with its target slots masked]
+# torch's decomposition of ``multilabel_margin_loss_forward`` (registered as the op's Python kernel
+# at the Autograd key, so AOTAutograd differentiates it: ortlab's table never sees the op) gathers
+# the input at every target slot, the slots after the first -1 included (read at index 0), and
+# never masks them out: with any -1 in the target, which is the usual case (targets are padded
+# with -1), the loss and its gradient came out other numbers than eager's (6.4 against 1.8),
+# silently. ``capture.aot`` replaces ``F.multilabel_margin_loss`` in Dynamo's graph by
+# :func:`multilabel_margin_loss`, the same math with the slots past the end masked, before
+# AOTAutograd traces it.
+
+
+def multilabel_margin_loss(input: torch.Tensor, target: torch.Tensor, size_average: bool | None = None,
+                           reduce: bool | None = None, reduction: str | int = "mean") -> torch.Tensor:
+    """``F.multilabel_margin_loss`` as math (Note [Multilabel margin loss with its target slots masked]): for each
+    sample, the hinge ``max(0, 1 - (x[j] - x[k])) / C`` summed over its targets j (the slots before the first -1)
+    and the classes k that are not targets."""
+    if size_average is not None or reduce is not None:
+        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+    if isinstance(reduction, int):  # torch._C._nn's form
+        reduction = ("none", "mean", "sum")[reduction]
+    x, t = torch.atleast_2d(input), torch.atleast_2d(target)
+    classes = x.shape[-1]
+    slot = torch.arange(classes, device=x.device)
+    end = torch.amin(torch.where(t == -1, slot, classes), dim=-1, keepdim=True)
+    counted = slot < end  # [N, slots]: the target slots before the first -1
+    targets = torch.where(counted, t, 0)
+    is_target = (torch.where(counted, t, -1).unsqueeze(-1) == slot).any(dim=1)  # [N, classes]
+    hinge = (1.0 - torch.gather(x, -1, targets).unsqueeze(-1) + x.unsqueeze(1)).clamp_min(0) / classes
+    hinge = torch.where(counted.unsqueeze(-1) & ~is_target.unsqueeze(1), hinge, 0.0)  # [N, slots, classes]
+    per_sample = hinge.sum(dim=(1, 2))
+    if reduction == "mean":
+        return per_sample.mean()
+    if reduction == "sum":
+        return per_sample.sum()
+    return per_sample.reshape(input.shape[:-1])
+
+
+# Note [mv as a matrix product]
+# onnxruntime's CPU provider (1.32, optimization level 2 and above) fuses a Transpose into the MatMul
+# it feeds (FusedMatMul with transA) and gets the product wrong when the other operand is a vector:
+# ``torch.mv(W.t(), v)`` came out other numbers than eager's, silently, and so did every ``mv``'s
+# backward (its vector's gradient is ``mv(A.t(), grad)``): spectral norm's power iteration
+# (``torch.mv(W.H, u)``) trained on a sigma hundreds of times off. Checked on bare onnxruntime
+# graphs: ``Transpose(A[5, 4]) @ b[5]`` and its batched form are wrong with the optimizations on
+# and right with them off; a 1-D first operand, and a ``[5, 1]`` second, are right. ``mv`` is
+# traced as ``mm`` of the vector as a one-column matrix, which the fusion gets right.
+
+
+def mv_as_mm(self: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
+    """``mv`` as ``mm`` with a one-column matrix (Note [mv as a matrix product])."""
+    return torch.mm(self, vec.unsqueeze(1)).squeeze(1)
 
 
 # Note [A copy broadcasts its source]

@@ -22,7 +22,7 @@ import torch.fx
 
 from ortlab._compat.torch import COMPILE_ISOLATION, DYNAMO_CONTROL_FLOW, global_state, maybe_mark_dynamic, torch_compile
 from ortlab.artifacts import FolderSink
-from ortlab.capture.aot import graph_device, rewrite_sdpa, trace
+from ortlab.capture.aot import graph_device, rewrite_calls, trace
 from ortlab.capture.padding import (EmbeddingSparsity, check_embedding_sparsity, embedding_sparsity_off,
                                    find_embedding_sparsity, traced)
 from ortlab.capture.sparsity import LabelSparsity, find_label_sparsity
@@ -259,7 +259,7 @@ class OrtlabBackend:
         if folder is not None:
             capture.files = folder.written
         stages = Stages([folder, *self.sinks])
-        rewrite_sdpa(gm)
+        rewrite_calls(gm)
         if stages.wants("captured"):
             stages.emit(StageArtifact("captured", index, mode, content=gm))
         device = graph_device(example_inputs)
