@@ -274,7 +274,7 @@ METADATA_VARIANTS = {
     "one output more": lambda m: _signed({**m, "output_kinds": m["output_kinds"] + ["tensor"],
                                           "output_dtypes": m["output_dtypes"] + ["torch.float32"],
                                           "output_sources": m["output_sources"] + [None]}),
-    "an unknown dtype": lambda m: _signed({**m, "output_dtypes": _replace(m["output_dtypes"], 0, "torch.complex64")}),
+    "an unknown dtype": lambda m: _signed({**m, "output_dtypes": _replace(m["output_dtypes"], 0, "torch.qint8")}),
     "a dtype for an int output": lambda m: _signed({**m, "output_kinds": _replace(m["output_kinds"], 0, "int")}),
     "a source past the inputs": lambda m: _signed({**m, "output_sources": _replace(m["output_sources"], 0, ["input", 99])}),
     "a source a later output": lambda m: _signed({**m, "output_sources": _replace(m["output_sources"], 0, ["output", 1])}),

@@ -1025,3 +1025,28 @@ def test_multilabel_margin_loss_matches_eager(reduction):
 
     assert_parity(eager, om, inputs, steps=2, lr=0.1)
     assert_ran_in_ort(om)
+
+
+@pytest.mark.parametrize("op", ["rfft", "polar"])
+def test_complex_values_cross_between_onnxruntime_and_pytorch(op):
+    """Note [Complex values cross as float pairs]: a forward in onnxruntime saving complex values for a backward
+    in PyTorch handed them over as float pairs, and the backward failed on their shape."""
+
+    class Spectral(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            if op == "rfft":
+                return torch.fft.rfft(h, dim=-1).abs().sum()
+            z = torch.polar(h.abs() + 0.1, h) * torch.complex(h, h.flip(1))
+            return torch.view_as_real(z).square().sum()
+
+    eager, om = twin(Spectral())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(3, 8, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.01)

@@ -75,7 +75,8 @@ logger = logging.getLogger(__name__)
 FORMAT = 2
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
+                               torch.complex128)}
 _KINDS = ("tensor", "int", "float", "bool")
 _GUARD_LOWEST = ("0", "-size")
 _GUARD_ERRORS = ("IndexError", "RuntimeError")

@@ -70,7 +70,7 @@ def _picks(kinds: list[str | None], dtypes: list[torch.dtype | None], sources: l
         if kind is None:
             picks.append((2, 0))
         elif source is None:
-            if kind != "tensor" or dtype == torch.bool:
+            if kind != "tensor" or dtype == torch.bool or (dtype is not None and dtype.is_complex):
                 return None
             picks.append((0, produced))
             produced += 1
@@ -81,6 +81,16 @@ def _picks(kinds: list[str | None], dtypes: list[torch.dtype | None], sources: l
         else:
             return None
     return picks if produced == made else None
+
+
+# Note [Complex values cross as float pairs]
+# torchlib represents a complex tensor as a float tensor with a trailing dim of 2 (real and
+# imaginary parts), and the export types graph inputs and outputs that way. Where a complex
+# value crosses between onnxruntime and PyTorch (a forward saving ``torch.fft.rfft``'s output for
+# a backward that runs in PyTorch, a complex op between two parts) the runner hands onnxruntime
+# ``view_as_real`` of it and PyTorch ``view_as_complex`` of what comes back: PyTorch's side had
+# been given the float pairs as they were, and failed on their shape (``rfft(x).abs()`` could
+# not train).
 
 
 def give_back_freed_heap() -> None:
@@ -323,6 +333,8 @@ class OrtRunner:
         if [t.dtype for t in tensors] == self._input_torch:  # the session's own dtypes: nothing to look up
             np_dtypes = self._input_np
         else:
+            if any(t.is_complex() for t in tensors):  # Note [Complex values cross as float pairs]
+                tensors = [torch.view_as_real(t).contiguous() if t.is_complex() else t for t in tensors]
             try:
                 np_dtypes = [_NP_DTYPES[t.dtype] for t in tensors]
             except KeyError:  # bfloat16 & co have no numpy dtype: wrap each through DLPack
@@ -369,7 +381,9 @@ class OrtRunner:
                 result.append(args[index] if where == "input" else result[index])
                 continue
             t = next(produced)
-            if kind == "tensor":
+            if kind == "tensor" and dtype is not None and dtype.is_complex and not t.is_complex():
+                result.append(torch.view_as_complex(t))  # Note [Complex values cross as float pairs]
+            elif kind == "tensor":
                 result.append(t.view(torch.bool) if dtype == torch.bool and t.dtype != torch.bool else t)
             elif kind == "int":
                 result.append(int(t))
