@@ -205,3 +205,38 @@ def test_average_pooling_keeps_its_backward_in_onnxruntime(pool):
 
     torch.manual_seed(0)
     _one_part_per_graph_beside_eager(Pooled(), torch.randn(2, 3, 7, 6))
+
+
+def test_diagonal_scatter_as_one_scatter_matches_the_op():
+    """Note [diagonal_scatter as a scatter into the flattened matrices]: every offset and pair of dims."""
+    from ortlab.capture.decompositions import diagonal_scatter
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(5, 7), (7, 5), (2, 3, 4)]:
+        for dim1, dim2 in [(0, 1), (1, 0), (-1, -2), (0, -1)]:
+            for offset in (-2, 0, 3):
+                x = torch.randn(shape, generator=g, dtype=torch.float64)
+                src = torch.randn(torch.diagonal(x, offset, dim1, dim2).shape, generator=g, dtype=torch.float64)
+                if src.numel():
+                    torch.testing.assert_close(diagonal_scatter(x, src, offset, dim1, dim2),
+                                               torch.diagonal_scatter(x, src, offset, dim1, dim2))
+
+
+def test_a_covariance_loss_on_a_diagonal_runs_in_onnxruntime():
+    """Barlow Twins' loss (the cross-correlation's diagonal and the rest): torch's diagonal_scatter wrote through
+    copy_to, AOTAutograd refused it, and the whole graph ran in PyTorch."""
+
+    class Twins(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(6, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            a, b = self.proj(x), self.proj(x.flip(0))
+            c = (a - a.mean(0)).t() @ (b - b.mean(0)) / x.shape[0]
+            on = (c.diagonal() - 1).square().sum()
+            off = (c - torch.diag_embed(c.diagonal())).square().sum()
+            return on + 0.1 * off + torch.diagonal(c, 1).sum()
+
+    torch.manual_seed(0)
+    _one_part_per_graph_beside_eager(Twins(), torch.randn(8, 6))

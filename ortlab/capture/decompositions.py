@@ -48,7 +48,7 @@ from ortlab.torchlib import overload, translated_ops
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
            "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast",
-           "mv_as_mm", "multilabel_margin_loss"]
+           "mv_as_mm", "multilabel_margin_loss", "diagonal_scatter"]
 
 aten = torch.ops.aten
 
@@ -98,6 +98,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.avg_pool2d_backward.default] = avg_pool2d_backward
     table[aten.copy.default] = copy_broadcast
     table[aten.mv.default] = mv_as_mm
+    table[aten.diagonal_scatter.default] = diagonal_scatter
     table[aten._unsafe_index_put.default] = index_put_accumulate
     table[aten.native_layer_norm.default] = native_layer_norm_float64
     table[aten.native_group_norm.default] = native_group_norm_exact
@@ -358,6 +359,31 @@ def multilabel_margin_loss(input: torch.Tensor, target: torch.Tensor, size_avera
 def mv_as_mm(self: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
     """``mv`` as ``mm`` with a one-column matrix (Note [mv as a matrix product])."""
     return torch.mm(self, vec.unsqueeze(1)).squeeze(1)
+
+
+# Note [diagonal_scatter as a scatter into the flattened matrices]
+# torch's decomposition of ``diagonal_scatter`` (the backward of every ``diagonal``, ``diag_embed``)
+# writes through ``prims.copy_to`` into a view, which AOTAutograd refuses in a functional graph:
+# the whole graph of a model taking a matrix's diagonal (a covariance loss's ``c.diagonal()``, a
+# trace) ran in PyTorch. The diagonal of each matrix (``dim1`` rows, ``dim2`` columns, moved last)
+# is a strided run of its flattened elements, from ``offset`` (above the main diagonal) or
+# ``-offset * columns`` (below) in steps of ``columns + 1``: one ``scatter`` along the flattened
+# dim writes ``src`` there (ScatterElements; each index once).
+
+
+def diagonal_scatter(input: torch.Tensor, src: torch.Tensor, offset: int = 0, dim1: int = 0,
+                     dim2: int = 1) -> object:
+    """``diagonal_scatter`` as one scatter into the flattened matrices (Note [diagonal_scatter as a scatter into
+    the flattened matrices]); torch's decomposition for symbolic or empty sizes."""
+    if any(not isinstance(n, int) for n in (*input.shape, *src.shape)) or src.numel() == 0:
+        return aten_decompositions[aten.diagonal_scatter.default](input, src, offset, dim1, dim2)
+    x = input.movedim((dim1, dim2), (-2, -1))
+    rows, cols = x.shape[-2:]
+    start = offset if offset >= 0 else -offset * cols
+    index = start + torch.arange(src.shape[-1], device=input.device) * (cols + 1)
+    flat = x.reshape(*x.shape[:-2], rows * cols)
+    flat = flat.scatter(-1, index.expand(src.shape), src.to(input.dtype))
+    return flat.reshape(x.shape).movedim((-2, -1), (dim1, dim2))
 
 
 # Note [A copy broadcasts its source]
