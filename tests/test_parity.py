@@ -351,6 +351,19 @@ def test_a_new_module_captures_its_own_sizes_first():
     assert len(om.report.captures) == 1 and _symbolic_inputs(om)
 
 
+def test_a_new_module_of_torch_s_own_classes_captures_its_own_sizes_first():
+    """Modules whose forward is torch's (nn.Sequential, nn.BatchNorm1d) share one frame Dynamo wraps around them;
+    its sizes were not cleared, and after two sizes every later such module captured symbolic from its first call."""
+    for batch in (2, 3, 5):
+        om = ortlab.ORTModule(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+        om(randn(batch, batch, 8)).sum().backward()
+        assert len(om.report.captures) == 1 and not _symbolic_inputs(om), (batch, _symbolic_inputs(om))
+    for shape in ((4, 3), (4, 3, 5)):
+        om = ortlab.ORTModule(nn.BatchNorm1d(3))
+        om(randn(0, *shape)).sum().backward()
+        assert not _symbolic_inputs(om), (shape, _symbolic_inputs(om))
+
+
 class _Broken(nn.Module):
     """A graph break in forward: Dynamo resumes in a frame of its own, which keeps sizes too."""
 

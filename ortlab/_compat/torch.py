@@ -275,17 +275,24 @@ def forget_sizes_seen(module: Any) -> None:
     graphs, and a new size of it is judged against the sizes of the module captured last.
     The frames Dynamo resumes after a graph break in ``forward`` (``torch_dynamo_resume_in_
     forward_at_<line>``, code of their own in the same file) keep sizes too, and are cleared
-    with it. Without the code state (another torch), nothing is cleared.
+    with it. A module whose ``forward`` is torch's own (``nn.Sequential``, ``nn.BatchNorm2d``,
+    ``nn.TransformerEncoder``) is traced from a frame Dynamo wraps around it
+    (``torch._dynamo.external_utils.wrap_inline``'s ``inner``), one code for every such module:
+    its sizes are cleared too (in torch 2.13 a ``BatchNorm1d`` after a ``BatchNorm2d`` made every
+    later ``nn.Sequential`` and ``nn.Upsample`` capture symbolic, and an upsampling's backward ran
+    in PyTorch). Without the code state (another torch), nothing is cleared.
     """
     forward = getattr(type(module), "forward", None)
     code = getattr(forward, "__code__", None)
     try:
-        from torch._dynamo import pgo
+        from torch._dynamo import external_utils, pgo
 
         state = pgo.get_code_state()
         own = pgo.CodeId.make(code, getattr(forward, "__closure__", None))
+        wrapper = pgo.CodeId.make(external_utils.wrap_inline(lambda: None).__code__)
         resumed = f"torch_dynamo_resume_in_{code.co_name}_at_"
-        for key in [k for k in state if k == own or (k.file_hash == own.file_hash and resumed in k.name)]:
+        for key in [k for k in state if k == own or (k.file_hash == own.file_hash and resumed in k.name)
+                    or (k.file_hash, k.firstlineno, k.name) == (wrapper.file_hash, wrapper.firstlineno, wrapper.name)]:
             del state[key]
     except Exception:  # noqa: BLE001 - another torch: Dynamo's own behaviour
         return
