@@ -50,6 +50,8 @@ __all__ = [
     "FakeTensorMode",
     "unset_fake_temporarily",
     "SDPA_TARGETS",
+    "MULTILABEL_MARGIN_TARGETS",
+    "legacy_reduction",
     "LINEAR_TARGETS",
     "GELU_TARGETS",
     "maybe_mark_dynamic",
@@ -224,6 +226,14 @@ FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 # Note [Fused attention targets]: Dynamo records ``F.scaled_dot_product_attention`` as
 # either the public function or its C binding ``torch._C._nn.scaled_dot_product_attention``.
 SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention})
+# Note [Multilabel margin loss with its target slots masked] in ortlab.capture.decompositions
+MULTILABEL_MARGIN_TARGETS = frozenset({torch.nn.functional.multilabel_margin_loss, torch._C._nn.multilabel_margin_loss})
+
+
+def legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:
+    """The ``reduction`` a loss's deprecated ``size_average``/``reduce`` arguments stand for (torch.nn._reduction,
+    1.0+; no public spelling)."""
+    return torch.nn._reduction.legacy_get_string(size_average, reduce)
 # Note [Isolated compiles]: each ORTModule (and each label-sparsity tail) gets its own Dynamo
 # cache and recompile budget where torch supports it (2.12+, public torch.compile arguments);
 # otherwise every instance of one class shares the per-code cache and, past the limit, new

@@ -16,17 +16,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx
 
-from ortlab._compat.torch import SDPA_TARGETS, aot_module_simplified
+from ortlab._compat.torch import MULTILABEL_MARGIN_TARGETS, SDPA_TARGETS, aot_module_simplified
 from ortlab.capture.decompositions import decomposition_table, multilabel_margin_loss, sdpa_math
 from ortlab.errors import DeviceError
 
 __all__ = ["rewrite_calls", "graph_device", "trace"]
 
 Compiler = Callable[[torch.fx.GraphModule, Sequence[object]], Callable]
-
-
-# Calls in Dynamo's graph traced as ortlab's math instead, before AOTAutograd differentiates them.
-_MULTILABEL_MARGIN = frozenset({torch.nn.functional.multilabel_margin_loss, torch._C._nn.multilabel_margin_loss})
 
 
 def rewrite_calls(gm: torch.fx.GraphModule) -> int:
@@ -37,7 +33,7 @@ def rewrite_calls(gm: torch.fx.GraphModule) -> int:
         if node.op == "call_function" and node.target in SDPA_TARGETS:
             node.target = sdpa_math
             count += 1
-        elif node.op == "call_function" and node.target in _MULTILABEL_MARGIN:
+        elif node.op == "call_function" and node.target in MULTILABEL_MARGIN_TARGETS:
             node.target = multilabel_margin_loss
             count += 1
     if count:

@@ -42,7 +42,7 @@ from collections.abc import Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ortlab._compat.torch import OpOverload, aten_decompositions, onnx_friendly_decompositions
+from ortlab._compat.torch import OpOverload, aten_decompositions, legacy_reduction, onnx_friendly_decompositions
 from ortlab.torchlib import overload, translated_ops
 
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
@@ -325,7 +325,7 @@ def multilabel_margin_loss(input: torch.Tensor, target: torch.Tensor, size_avera
     sample, the hinge ``max(0, 1 - (x[j] - x[k])) / C`` summed over its targets j (the slots before the first -1)
     and the classes k that are not targets."""
     if size_average is not None or reduce is not None:
-        reduction = torch.nn._reduction.legacy_get_string(size_average, reduce)
+        reduction = legacy_reduction(size_average, reduce)
     if isinstance(reduction, int):  # torch._C._nn's form
         reduction = ("none", "mean", "sum")[reduction]
     x, t = torch.atleast_2d(input), torch.atleast_2d(target)
