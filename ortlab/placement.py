@@ -81,6 +81,19 @@ def _accumulating_index_put(node: torch.fx.Node) -> bool:
     return bool(accumulate) and not is_single_index_accumulate(node)
 
 
+def _output_padding_past_stride(node: torch.fx.Node) -> bool:
+    """A transposed convolution whose output_padding reaches its stride (PyTorch allows it below the dilation)."""
+    args = node.args
+    if len(args) < 9 or not args[6]:
+        return False
+    stride, output_padding = args[3], args[7]
+    return any(isinstance(p, int) and isinstance(s, int) and p >= s for p, s in zip(output_padding, stride))
+
+
+_OUTPUT_PADDING = ("onnxruntime's ConvTranspose rejects an output_padding at least the stride (\"output_padding may "
+                   "be too large for stride\"), which PyTorch allows below the dilation")
+
+
 def _uses_secondary_outputs(node: torch.fx.Node) -> bool:
     """Something reads an output after the first (``getitem(node, i)`` with ``i >= 1``)."""
     return any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users)
@@ -148,6 +161,7 @@ KNOWN_WRONG: tuple[tuple[str, Callable[[torch.fx.Node], bool], str], ...] = (
     ("aten._scaled_dot_product_flash_attention", _uses_secondary_outputs, _EMPTY_STATS),
     ("aten._scaled_dot_product_efficient_attention", _uses_secondary_outputs, _EMPTY_STATS),
     ("aten._scaled_dot_product_cudnn_attention", _uses_secondary_outputs, _EMPTY_STATS),
+    ("aten.convolution", _output_padding_past_stride, _OUTPUT_PADDING),
     *((op, _uses_secondary_outputs, _ZERO_BAGS)
       for op in ("aten._embedding_bag", "aten.embedding_bag", "aten._embedding_bag_forward_only")),
     *((op, _float64_with_numbers, _FLOAT32_NUMBERS) for op in _FLOAT64_INEXACT),

@@ -240,3 +240,50 @@ def test_a_covariance_loss_on_a_diagonal_runs_in_onnxruntime():
 
     torch.manual_seed(0)
     _one_part_per_graph_beside_eager(Twins(), torch.randn(8, 6))
+
+
+@pytest.mark.parametrize("cfg", [
+    dict(kernel_size=2, stride=2),                                     # UNet's up-convolution
+    dict(kernel_size=4, stride=2, padding=1),                          # DCGAN's (weight gradient as a convolution)
+    dict(kernel_size=3, stride=2, padding=1, output_padding=1),
+    dict(kernel_size=3, stride=1, padding=2, dilation=3, output_padding=2),  # output_padding above the stride
+])
+def test_transposed_convolution_backward_runs_in_onnxruntime_and_matches(cfg):
+    """A transposed convolution's gradients had run in PyTorch: x's is the convolution of dy with the same weight,
+    W's that convolution's weight gradient."""
+    from ortlab.capture.decompositions import convolution_backward
+
+    g = torch.Generator().manual_seed(0)
+    conv = nn.ConvTranspose2d(3, 4, **cfg).double()
+    x = torch.randn(2, 3, 5, 6, generator=g, dtype=torch.float64)
+    args = ([conv.stride[0]] * 2, [conv.padding[0]] * 2, [conv.dilation[0]] * 2, True, [conv.output_padding[0]] * 2, 1)
+    dy = torch.randn(conv(x).shape, generator=g, dtype=torch.float64)
+    expected = torch.ops.aten.convolution_backward.default(dy, x, conv.weight, [4], *args, [True, True, True])
+    got = convolution_backward(dy, x, conv.weight.detach(), [4], *args, [True, True, True])
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+
+    class Up(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.up = nn.Conv2d(3, 3, 3, padding=1), nn.ConvTranspose2d(3, 4, **cfg)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.up(torch.relu(self.conv(x)))
+            return (h * h.detach().cos()).sum()
+
+    torch.manual_seed(0)
+    if cfg.get("output_padding", 0) < cfg["stride"]:
+        _one_part_per_graph_beside_eager(Up(), torch.randn(2, 3, 5, 6))
+        return
+    # onnxruntime's ConvTranspose rejects this output_padding: the forward's runs in PyTorch, said why
+    model = Up()
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    x = torch.randn(2, 3, 5, 6)
+    with pytest.warns(ortlab.FallbackWarning, match="output_padding"):
+        out = om(x)
+    out.backward()
+    model(x).backward()
+    for p, q in zip(model.parameters(), om.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
+    assert [(f.op, f.kind) for f in om.report.fallbacks] == [("aten.convolution", "known_wrong")]

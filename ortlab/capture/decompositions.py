@@ -216,13 +216,14 @@ def convolution_backward(
 ) -> object:
     """``convolution_backward`` in ops onnxruntime runs well (torch has no decomposition).
 
-    Without it, every CNN's backward sends each convolution's gradient to PyTorch. For 2-D
+    Without it, every CNN's backward sends each convolution's gradient to PyTorch. A transposed
+    convolution's gradients are its adjoint's (:func:`_transposed_convolution_backward`). For 2-D
     convolutions, grad_input is a GEMM and a col2im, and grad_weight (kernels up to 3x3) one
     GEMM over the input's patches (see Note [Convolution gradients as GEMMs]). Otherwise
     grad_input is the transposed convolution of grad_output with the same weight, and
     grad_weight a convolution of the input with grad_output, batch and channels swapped
-    (stride and dilation trade places). Transposed and grouped convolutions keep PyTorch's
-    kernel (``NotImplemented`` leaves the op as it is).
+    (stride and dilation trade places). Grouped convolutions keep PyTorch's kernel
+    (``NotImplemented`` leaves the op as it is).
 
     Grouped (depthwise) gradients were tried as the same GEMMs per group (batched MatMul, or
     for depthwise an outer product and a dot product per channel, over the kh*kw strided
@@ -234,8 +235,10 @@ def convolution_backward(
     copies) were no faster either: MobileNetV2 0.98x, a ResNet-50-shaped net 0.90x the
     step with one GEMM over the whole batch (MLAS runs one large GEMM better than B small ones).
     """
-    if transposed or groups != 1:
+    if groups != 1:
         return NotImplemented
+    if transposed:
+        return _transposed_convolution_backward(grad_output, input, weight, stride, padding, dilation, output_mask)
     spatial = list(range(2, grad_output.dim()))
     grad_input = grad_weight = grad_bias = None
     if output_mask[0] and len(spatial) == 2:
@@ -260,6 +263,38 @@ def convolution_backward(
         grad_weight = swapped.transpose(0, 1)
     if output_mask[2]:
         grad_bias = grad_output.sum(dim=[0, *spatial])
+    return grad_input, grad_weight, grad_bias
+
+
+def _transposed_convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
+                                     stride: list[int], padding: list[int], dilation: list[int],
+                                     output_mask: list[bool]) -> object:
+    """A 2-D transposed convolution's gradients (UNet decoders, GAN generators, autoencoders), which had run in
+    PyTorch between onnxruntime parts.
+
+    ``conv_transpose(x, W)`` is the adjoint of ``conv2d(., W)`` with the same stride, padding and
+    dilation, so x's gradient is the ordinary convolution ``conv2d(dy, W)`` (output_padding only adds
+    rows no input reaches, cut off), and W's gradient is that
+    convolution's weight gradient with x as its output gradient: one GEMM over dy's patches up to
+    3x3 kernels, a convolution with batch and channels swapped above (Note [Convolution gradients
+    as GEMMs]).
+    """
+    if grad_output.dim() != 4:
+        return NotImplemented
+    grad_input = grad_weight = grad_bias = None
+    if output_mask[0]:
+        grad_input = aten.convolution.default(grad_output, weight, None, stride, padding, dilation, False, [0, 0], 1)
+        # an output_padding at least the stride (allowed below the dilation) adds a row the floor keeps
+        grad_input = grad_input.narrow(2, 0, input.shape[2]).narrow(3, 0, input.shape[3])
+    if output_mask[1] and weight.shape[2] * weight.shape[3] <= 9:
+        grad_weight = _conv2d_weight_grad(input, grad_output, weight.shape, stride, padding, dilation)
+    elif output_mask[1]:
+        swapped = aten.convolution.default(
+            grad_output.transpose(0, 1), input.transpose(0, 1), None, dilation, padding, stride, False, [0, 0], 1,
+        )
+        grad_weight = swapped.narrow(2, 0, weight.shape[2]).narrow(3, 0, weight.shape[3]).transpose(0, 1)
+    if output_mask[2]:
+        grad_bias = grad_output.sum(dim=[0, 2, 3])
     return grad_input, grad_weight, grad_bias
 
 
