@@ -8,16 +8,12 @@ ortlab's steps, taken in turns in one process, each graph's parts and the losses
 
     python benchmarks/avg_pool.py
 """
-import argparse
-import statistics
-import time
-import warnings
 
 import torch  # torch first, as users' scripts do
 import torch.nn.functional as F
 from torch import nn
 
-import ortlab
+from side_by_side import arguments, in_turns, summary, twins  # benchmarks/ is the script's folder
 
 
 class Dense(nn.Module):
@@ -56,32 +52,12 @@ class Net(nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--warmup", type=int, default=8)
-    cli = parser.parse_args()
-    warnings.simplefilter("ignore", ortlab.FallbackWarning)
-    torch.manual_seed(0)
-    eager = Net()
-    model = ortlab.ORTModule(Net())
-    model.load_state_dict(eager.state_dict())
+    cli = arguments(__doc__)
+    eager, model = twins(Net)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(16, 3, 64, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
-    times: dict[str, list[float]] = {"eager": [], "ortlab": []}
-    losses: dict[str, float] = {}
-    for _ in range(cli.steps):
-        for name, module in (("eager", eager), ("ortlab", model)):
-            start = time.perf_counter()
-            loss = module(x, y)
-            loss.backward()
-            times[name].append(time.perf_counter() - start)
-            losses[name] = loss.item()
-    e, o = (statistics.median(times[k][cli.warmup:]) for k in ("eager", "ortlab"))
-    parts = [len(g.parts) for c in model.report.captures for g in c.graphs]
-    providers = [f"{g.label} " + "+".join(sorted({p.runner.session.get_providers()[0] for p in g.parts}))
-                 for c in model.report.captures for g in c.graphs]
-    print(f"eager {e * 1e3:.1f} ms ortlab {o * 1e3:.1f} ms ratio {e / o:.2f}x parts {parts} ({', '.join(providers)}) "
-          f"losses eager {losses['eager']:.6f} ortlab {losses['ortlab']:.6f}")
+    e, o, losses = in_turns(eager, model, lambda module: module(x, y), cli.steps, cli.warmup)
+    print(summary(e, o, model, losses))
 
 
 if __name__ == "__main__":

@@ -10,15 +10,12 @@ in one process, each graph's parts, providers and the losses.
     python benchmarks/conv_transpose.py --model unet
 """
 import argparse
-import statistics
-import time
-import warnings
 
 import torch  # torch first, as users' scripts do
 import torch.nn.functional as F
 from torch import nn
 
-import ortlab
+from side_by_side import arguments, in_turns, summary, twins  # benchmarks/ is the script's folder
 
 
 class Generator(nn.Module):
@@ -65,35 +62,15 @@ class UNet(nn.Module):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("dcgan", "unet"), default="dcgan")
-    parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--warmup", type=int, default=8)
-    cli = parser.parse_args()
-    warnings.simplefilter("ignore", ortlab.FallbackWarning)
-    torch.manual_seed(0)
-    make = Generator if cli.model == "dcgan" else UNet
-    eager = make()
-    model = ortlab.ORTModule(make())
-    model.load_state_dict(eager.state_dict())
+    cli = arguments(__doc__, parser)
+    eager, model = twins(Generator if cli.model == "dcgan" else UNet)
     g = torch.Generator().manual_seed(0)
     if cli.model == "dcgan":
         x, y = torch.randn(16, 64, generator=g), torch.rand(16, 3, 32, 32, generator=g) * 2 - 1
     else:
         x, y = torch.randn(8, 3, 64, 64, generator=g), (torch.rand(8, 1, 64, 64, generator=g) > 0.5).float()
-    times: dict[str, list[float]] = {"eager": [], "ortlab": []}
-    losses: dict[str, float] = {}
-    for _ in range(cli.steps):
-        for name, module in (("eager", eager), ("ortlab", model)):
-            start = time.perf_counter()
-            loss = module(x, y)
-            loss.backward()
-            times[name].append(time.perf_counter() - start)
-            losses[name] = loss.item()
-    e, o = (statistics.median(times[k][cli.warmup:]) for k in ("eager", "ortlab"))
-    parts = [len(g.parts) for c in model.report.captures for g in c.graphs]
-    providers = [f"{g.label} " + "+".join(sorted({p.runner.session.get_providers()[0] for p in g.parts}))
-                 for c in model.report.captures for g in c.graphs]
-    print(f"{cli.model}: eager {e * 1e3:.1f} ms ortlab {o * 1e3:.1f} ms ratio {e / o:.2f}x parts {parts} "
-          f"({', '.join(providers)}) losses eager {losses['eager']:.6f} ortlab {losses['ortlab']:.6f}")
+    e, o, losses = in_turns(eager, model, lambda module: module(x, y), cli.steps, cli.warmup)
+    print(f"{cli.model}: {summary(e, o, model, losses)}")
 
 
 if __name__ == "__main__":

@@ -6,16 +6,12 @@ eager's and ortlab's steps (forward and backward), taken in turns in one process
 
     python benchmarks/upsample.py
 """
-import argparse
-import statistics
-import time
-import warnings
 
 import torch  # torch first, as users' scripts do
 import torch.nn.functional as F
 from torch import nn
 
-import ortlab
+from side_by_side import arguments, in_turns, summary, twins  # benchmarks/ is the script's folder
 
 
 class Up(nn.Module):
@@ -32,25 +28,11 @@ class Up(nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=25)
-    parser.add_argument("--warmup", type=int, default=8)
-    cli = parser.parse_args()
-    warnings.simplefilter("ignore", ortlab.FallbackWarning)
-    torch.manual_seed(0)
-    eager = Up()
-    model = ortlab.ORTModule(Up())
-    model.load_state_dict(eager.state_dict())
+    cli = arguments(__doc__)
+    eager, model = twins(Up)
     x = torch.randn(8, 3, 48, 48)
-    times: dict[str, list[float]] = {"eager": [], "ortlab": []}
-    for _ in range(cli.steps):
-        for name, module in (("eager", eager), ("ortlab", model)):
-            start = time.perf_counter()
-            module(x).backward()
-            times[name].append(time.perf_counter() - start)
-    e, o = (statistics.median(times[k][cli.warmup:]) for k in ("eager", "ortlab"))
-    parts = [len(g.parts) for c in model.report.captures for g in c.graphs]
-    print(f"eager {e * 1e3:.1f} ms ortlab {o * 1e3:.1f} ms ratio {e / o:.2f}x parts {parts}")
+    e, o, losses = in_turns(eager, model, lambda module: module(x), cli.steps, cli.warmup)
+    print(summary(e, o, model, losses))
 
 
 if __name__ == "__main__":

@@ -234,6 +234,8 @@ def legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:
     """The ``reduction`` a loss's deprecated ``size_average``/``reduce`` arguments stand for (torch.nn._reduction,
     1.0+; no public spelling)."""
     return torch.nn._reduction.legacy_get_string(size_average, reduce)
+
+
 # Note [Isolated compiles]: each ORTModule (and each label-sparsity tail) gets its own Dynamo
 # cache and recompile budget where torch supports it (2.12+, public torch.compile arguments);
 # otherwise every instance of one class shares the per-code cache and, past the limit, new
