@@ -287,3 +287,34 @@ def test_transposed_convolution_backward_runs_in_onnxruntime_and_matches(cfg):
     for p, q in zip(model.parameters(), om.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
     assert [(f.op, f.kind) for f in om.report.fallbacks] == [("aten.convolution", "known_wrong")]
+
+
+@pytest.mark.parametrize("out", [(3, 2), (1, 1), (4, 4), "area"])
+def test_adaptive_average_pooling_keeps_its_backward_in_onnxruntime(out):
+    """_adaptive_avg_pool2d_backward had run in PyTorch between parts: tiling windows (8x8 to 4x4) are average
+    pooling's gradient, overlapping ones (8x6 to 3x2, F.interpolate's area mode to 5x5) two MatMuls with each dim's
+    windows."""
+    from ortlab.capture.decompositions import adaptive_avg_pool2d_backward
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 7, 9, generator=g, dtype=torch.float64)
+    for size in [(3, 2), (7, 9), (4, 5), (1, 1)]:
+        dy = torch.randn(2, 3, *size, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(adaptive_avg_pool2d_backward(dy, x),
+                                   torch.ops.aten._adaptive_avg_pool2d_backward.default(dy, x))
+
+    class Pooled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.conv(x)
+            if out == "area":
+                h = nn.functional.interpolate(h, size=(5, 5), mode="area")
+            else:
+                h = nn.functional.adaptive_avg_pool2d(h, out)
+            return (h * h.detach().sin()).sum()
+
+    torch.manual_seed(0)
+    _one_part_per_graph_beside_eager(Pooled(), torch.randn(2, 3, 8, 6 if out != (4, 4) else 8))

@@ -48,7 +48,7 @@ from ortlab.torchlib import overload, translated_ops
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
            "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast",
-           "mv_as_mm", "multilabel_margin_loss", "diagonal_scatter"]
+           "mv_as_mm", "multilabel_margin_loss", "diagonal_scatter", "adaptive_avg_pool2d_backward"]
 
 aten = torch.ops.aten
 
@@ -96,6 +96,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.index_put.default] = index_put_accumulate
     table[aten.as_strided_scatter.default] = as_strided_scatter_contiguous
     table[aten.avg_pool2d_backward.default] = avg_pool2d_backward
+    table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
     table[aten.copy.default] = copy_broadcast
     table[aten.mv.default] = mv_as_mm
     table[aten.diagonal_scatter.default] = diagonal_scatter
@@ -541,6 +542,35 @@ def avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_si
         grad = grad_output / (rows[:, None] * cols[None, :]).to(grad_output.dtype)
     grad = _pool_spread(grad, grad.dim() - 2, h, kernel[0], step[0], pad[0])
     return _pool_spread(grad, grad.dim() - 1, w, kernel[1], step[1], pad[1])
+
+
+def _adaptive_windows(n_in: int, n_out: int, like: torch.Tensor) -> torch.Tensor:
+    """``[n_out, n_in]``: each adaptive pooling window's inputs along one dim, 1/size in them (PyTorch's windows:
+    from ``floor(o * n_in / n_out)`` to ``ceil((o + 1) * n_in / n_out)``)."""
+    out = torch.arange(n_out, device=like.device)
+    start, end = (out * n_in) // n_out, ((out + 1) * n_in + n_out - 1) // n_out
+    inputs = torch.arange(n_in, device=like.device)
+    inside = (inputs[None, :] >= start[:, None]) & (inputs[None, :] < end[:, None])
+    return inside.to(like.dtype) / (end - start)[:, None].to(like.dtype)
+
+
+def adaptive_avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor) -> object:
+    """``_adaptive_avg_pool2d_backward`` (``nn.AdaptiveAvgPool2d`` to anything but one pixel: VGG's 7x7, a pyramid
+    pooling's 2x2 and 3x3, ``F.interpolate(mode="area")``), which had run in PyTorch between onnxruntime parts.
+
+    Where the output divides the input the windows tile it, and the gradient is average pooling's
+    (Note [Average pooling's backward as repeats and shifted sums]). Otherwise windows overlap and
+    vary in size; they are products of one window per dim, so the gradient is ``R^T @ dy @ C``
+    with R and C each dim's windows weighted by 1/size (``_adaptive_windows``, constants once
+    folded): two small MatMuls. ``NotImplemented`` (the op) for symbolic or empty sizes."""
+    if any(not isinstance(n, int) for n in (*grad_output.shape, *self.shape)) or self.numel() == 0:
+        return NotImplemented
+    (h, w), (oh, ow) = self.shape[-2:], grad_output.shape[-2:]
+    if h % oh == 0 and w % ow == 0:
+        kernel = [h // oh, w // ow]
+        return avg_pool2d_backward(grad_output, self, kernel, kernel, [0, 0], False, True, None)
+    rows, cols = _adaptive_windows(h, oh, grad_output), _adaptive_windows(w, ow, grad_output)
+    return torch.matmul(torch.matmul(rows.t(), grad_output), cols)
 
 
 def _conv2d_input_grad(grad_output: torch.Tensor, input_shape: torch.Size, weight: torch.Tensor,
