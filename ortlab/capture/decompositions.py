@@ -231,7 +231,11 @@ def convolution_backward(
     patches): correct, and the whole backward in one session, but a MobileNetV2's backward
     (batch 8, 96x96) took 300-400 ms against 210 ms with PyTorch's depthwise kernels between
     onnxruntime parts (eager: ~100 ms): the patches' strided Slices and their Concat alone
-    cost ~80 ms a step. They stay in PyTorch until a faster formulation exists.
+    cost ~80 ms a step. As convolutions (the input gradient a grouped ConvTranspose, the weight
+    gradient one grouped convolution of the input with dy, batch and channels swapped within each
+    group) they are exact too, and slower still: a MobileNetV2-shaped net's step 170 ms against
+    100 ms split (eager 73-97 ms; both providers measured, the Xeon without AMX, 2026-11-27).
+    They stay in PyTorch until a faster formulation exists.
     1x1 convolutions through batched GEMMs per image (no Pad, patches or Col2Im: 2-3x fewer
     copies) were no faster either: MobileNetV2 0.98x, a ResNet-50-shaped net 0.90x the
     step with one GEMM over the whole batch (MLAS runs one large GEMM better than B small ones).
