@@ -107,25 +107,31 @@ def _one_part_per_graph_beside_eager(model: nn.Module, x: torch.Tensor) -> None:
     assert [len(g.parts) for c in om.report.captures for g in c.graphs] == [1, 1]
 
 
+class _ConvThen(nn.Module):
+    """A 3x3 convolution, ``op`` on its output (a function, or a module whose parameters train too), and a loss
+    whose gradient differs at every element."""
+
+    def __init__(self, op: object) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.op = op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.op(self.conv(x))
+        return (h * h.detach().sin()).sum()
+
+
 @pytest.mark.parametrize("mode", ["bilinear", "nearest", "indexing"])
 def test_gathers_by_index_keep_their_backward_in_onnxruntime(mode):
     """An upsampling's backward had been cut around PyTorch's index_put (two parts, ScatterND's race kept out)."""
 
-    class Up(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(3, 4, 3, padding=1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.conv(x)
-            if mode == "indexing":
-                h = h[:, :, torch.tensor([0, 2, 2, 1, -1])[:, None], torch.tensor([1, 1, 3, 3])]
-            else:
-                h = nn.functional.interpolate(h, scale_factor=2, mode=mode)
-            return (h * h.detach().sin()).sum()
+    def gather(h: torch.Tensor) -> torch.Tensor:
+        if mode == "indexing":
+            return h[:, :, torch.tensor([0, 2, 2, 1, -1])[:, None], torch.tensor([1, 1, 3, 3])]
+        return nn.functional.interpolate(h, scale_factor=2, mode=mode)
 
     torch.manual_seed(0)
-    _one_part_per_graph_beside_eager(Up(), torch.randn(2, 3, 8, 8))
+    _one_part_per_graph_beside_eager(_ConvThen(gather), torch.randn(2, 3, 8, 8))
 
 
 @pytest.mark.parametrize(("size", "stride", "offset"), [
@@ -185,26 +191,17 @@ def test_average_pooling_backward_as_repeats_and_shifted_sums(kernel, stride, pa
 def test_average_pooling_keeps_its_backward_in_onnxruntime(pool):
     """avg_pool2d_backward had no translation: every average pooling cut its backward around it in PyTorch."""
 
-    class Pooled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(3, 4, 3, padding=1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.conv(x)
-            if pool == "densenet":
-                h = nn.functional.avg_pool2d(h, 2)
-            elif pool == "inception":
-                h = nn.functional.avg_pool2d(h, 3, stride=1, padding=1, count_include_pad=False)
-            elif pool == "funnel":  # Funnel's pooling of a [batch, 1, tokens, d] view, tokens odd
-                h = nn.functional.avg_pool2d(h.flatten(2).unsqueeze(1)[:, :, :-1], (2, 1), stride=(2, 1),
-                                             ceil_mode=True)
-            else:
-                h = nn.functional.avg_pool1d(h.flatten(2), 3, stride=2, padding=1)
-            return (h * h.detach().sin()).sum()
+    def pooled(h: torch.Tensor) -> torch.Tensor:
+        if pool == "densenet":
+            return nn.functional.avg_pool2d(h, 2)
+        if pool == "inception":
+            return nn.functional.avg_pool2d(h, 3, stride=1, padding=1, count_include_pad=False)
+        if pool == "funnel":  # Funnel's pooling of a [batch, 1, tokens, d] view, tokens odd
+            return nn.functional.avg_pool2d(h.flatten(2).unsqueeze(1)[:, :, :-1], (2, 1), stride=(2, 1), ceil_mode=True)
+        return nn.functional.avg_pool1d(h.flatten(2), 3, stride=2, padding=1)
 
     torch.manual_seed(0)
-    _one_part_per_graph_beside_eager(Pooled(), torch.randn(2, 3, 7, 6))
+    _one_part_per_graph_beside_eager(_ConvThen(pooled), torch.randn(2, 3, 7, 6))
 
 
 def test_diagonal_scatter_as_one_scatter_matches_the_op():
@@ -263,21 +260,12 @@ def test_transposed_convolution_backward_runs_in_onnxruntime_and_matches(cfg):
     for a, b in zip(got, expected):
         torch.testing.assert_close(a, b)
 
-    class Up(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv, self.up = nn.Conv2d(3, 3, 3, padding=1), nn.ConvTranspose2d(3, 4, **cfg)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.up(torch.relu(self.conv(x)))
-            return (h * h.detach().cos()).sum()
-
     torch.manual_seed(0)
+    model = _ConvThen(nn.Sequential(nn.ReLU(), nn.ConvTranspose2d(4, 4, **cfg)))
     if cfg.get("output_padding", 0) < cfg["stride"]:
-        _one_part_per_graph_beside_eager(Up(), torch.randn(2, 3, 5, 6))
+        _one_part_per_graph_beside_eager(model, torch.randn(2, 3, 5, 6))
         return
     # onnxruntime's ConvTranspose rejects this output_padding: the forward's runs in PyTorch, said why
-    model = Up()
     om = ortlab.ORTModule(copy.deepcopy(model))
     x = torch.randn(2, 3, 5, 6)
     with pytest.warns(ortlab.FallbackWarning, match="output_padding"):
@@ -303,18 +291,10 @@ def test_adaptive_average_pooling_keeps_its_backward_in_onnxruntime(out):
         torch.testing.assert_close(adaptive_avg_pool2d_backward(dy, x),
                                    torch.ops.aten._adaptive_avg_pool2d_backward.default(dy, x))
 
-    class Pooled(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.conv = nn.Conv2d(3, 4, 3, padding=1)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = self.conv(x)
-            if out == "area":
-                h = nn.functional.interpolate(h, size=(5, 5), mode="area")
-            else:
-                h = nn.functional.adaptive_avg_pool2d(h, out)
-            return (h * h.detach().sin()).sum()
+    def pooled(h: torch.Tensor) -> torch.Tensor:
+        if out == "area":
+            return nn.functional.interpolate(h, size=(5, 5), mode="area")
+        return nn.functional.adaptive_avg_pool2d(h, out)
 
     torch.manual_seed(0)
-    _one_part_per_graph_beside_eager(Pooled(), torch.randn(2, 3, 8, 6 if out != (4, 4) else 8))
+    _one_part_per_graph_beside_eager(_ConvThen(pooled), torch.randn(2, 3, 8, 6 if out != (4, 4) else 8))
