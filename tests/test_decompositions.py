@@ -298,3 +298,12 @@ def test_adaptive_average_pooling_keeps_its_backward_in_onnxruntime(out):
 
     torch.manual_seed(0)
     _one_part_per_graph_beside_eager(_ConvThen(pooled), torch.randn(2, 3, 8, 6 if out != (4, 4) else 8))
+
+
+def test_a_one_dimensional_transposed_convolution_trains_in_onnxruntime():
+    """A 1-D transposed convolution (a vocoder's or a sequence decoder's upsampling): its gradients are those of the
+    ordinary convolution of dy, as in 2-D."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.ReLU(), nn.ConvTranspose1d(4, 2, 4, stride=2, padding=1),
+                          nn.Flatten(), nn.Linear(2 * 14, 1))
+    _one_part_per_graph_beside_eager(nn.Sequential(model, nn.Flatten(0)), torch.randn(1, 3, 7))

@@ -218,7 +218,7 @@ def convolution_backward(
     """``convolution_backward`` in ops onnxruntime runs well (torch has no decomposition).
 
     Without it, every CNN's backward sends each convolution's gradient to PyTorch. A transposed
-    convolution's gradients are its adjoint's (:func:`_transposed_convolution_backward`). For 2-D
+    convolution's gradients are those of its adjoint, the ordinary convolution of dy. For 2-D
     convolutions, grad_input is a GEMM and a col2im, and grad_weight (kernels up to 3x3) one
     GEMM over the input's patches (see Note [Convolution gradients as GEMMs]). Otherwise
     grad_input is the transposed convolution of grad_output with the same weight, and
@@ -242,11 +242,17 @@ def convolution_backward(
     """
     if groups != 1:
         return NotImplemented
-    if transposed:
-        return _transposed_convolution_backward(grad_output, input, weight, stride, padding, dilation, output_mask)
     spatial = list(range(2, grad_output.dim()))
     grad_input = grad_weight = grad_bias = None
-    if output_mask[0] and len(spatial) == 2:
+    if output_mask[0] and transposed:
+        # conv_transpose(x, W) is the adjoint of conv(., W) with the same stride, padding and dilation:
+        # x's gradient is conv(dy, W); an output_padding only adds positions no input reaches, cut off
+        # (one at least the stride, allowed below the dilation, leaves one the convolution's floor keeps).
+        grad_input = aten.convolution.default(grad_output, weight, None, stride, padding, dilation, False,
+                                              [0] * len(spatial), 1)
+        for d in spatial:
+            grad_input = grad_input.narrow(d, 0, input.shape[d])
+    elif output_mask[0] and len(spatial) == 2:
         grad_input = _conv2d_input_grad(grad_output, input.shape, weight, stride, padding, dilation)
     elif output_mask[0]:
         out_pad = [
@@ -256,51 +262,30 @@ def convolution_backward(
         grad_input = aten.convolution.default(
             grad_output, weight, None, stride, padding, dilation, True, out_pad, groups
         )
-    if output_mask[1] and len(spatial) == 2 and weight.shape[2] * weight.shape[3] <= 9:
-        grad_weight = _conv2d_weight_grad(grad_output, input, weight.shape, stride, padding, dilation)
-    elif output_mask[1]:
-        swapped = aten.convolution.default(
-            input.transpose(0, 1), grad_output.transpose(0, 1), None, dilation, padding, stride, False,
-            [0] * len(spatial), 1,
-        )
-        for i, d in enumerate(spatial):
-            swapped = swapped.narrow(d, 0, weight.shape[d])
-        grad_weight = swapped.transpose(0, 1)
+    if output_mask[1]:
+        # A transposed convolution's weight gradient is that of conv(dy, W), x its output gradient.
+        grad_weight = (_weight_grad(input, grad_output, weight.shape, stride, padding, dilation) if transposed
+                       else _weight_grad(grad_output, input, weight.shape, stride, padding, dilation))
     if output_mask[2]:
         grad_bias = grad_output.sum(dim=[0, *spatial])
     return grad_input, grad_weight, grad_bias
 
 
-def _transposed_convolution_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor,
-                                     stride: list[int], padding: list[int], dilation: list[int],
-                                     output_mask: list[bool]) -> object:
-    """A 2-D transposed convolution's gradients (UNet decoders, GAN generators, autoencoders), which had run in
-    PyTorch between onnxruntime parts.
-
-    ``conv_transpose(x, W)`` is the adjoint of ``conv2d(., W)`` with the same stride, padding and
-    dilation, so x's gradient is the ordinary convolution ``conv2d(dy, W)`` (output_padding only adds
-    rows no input reaches, cut off), and W's gradient is that
-    convolution's weight gradient with x as its output gradient: one GEMM over dy's patches up to
-    3x3 kernels, a convolution with batch and channels swapped above (Note [Convolution gradients
-    as GEMMs]).
-    """
-    if grad_output.dim() != 4:
-        return NotImplemented
-    grad_input = grad_weight = grad_bias = None
-    if output_mask[0]:
-        grad_input = aten.convolution.default(grad_output, weight, None, stride, padding, dilation, False, [0, 0], 1)
-        # an output_padding at least the stride (allowed below the dilation) adds a row the floor keeps
-        grad_input = grad_input.narrow(2, 0, input.shape[2]).narrow(3, 0, input.shape[3])
-    if output_mask[1] and weight.shape[2] * weight.shape[3] <= 9:
-        grad_weight = _conv2d_weight_grad(input, grad_output, weight.shape, stride, padding, dilation)
-    elif output_mask[1]:
-        swapped = aten.convolution.default(
-            grad_output.transpose(0, 1), input.transpose(0, 1), None, dilation, padding, stride, False, [0, 0], 1,
-        )
-        grad_weight = swapped.narrow(2, 0, weight.shape[2]).narrow(3, 0, weight.shape[3]).transpose(0, 1)
-    if output_mask[2]:
-        grad_bias = grad_output.sum(dim=[0, 2, 3])
-    return grad_input, grad_weight, grad_bias
+def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight_shape: torch.Size, stride: list[int],
+                 padding: list[int], dilation: list[int]) -> torch.Tensor:
+    """The weight gradient of ``conv(input, W)`` given its output's gradient: one GEMM over the input's patches for
+    2-D kernels up to 3x3 (Note [Convolution gradients as GEMMs]), otherwise a convolution of the input with
+    grad_output, batch and channels swapped (stride and dilation trade places)."""
+    spatial = list(range(2, grad_output.dim()))
+    if len(spatial) == 2 and weight_shape[2] * weight_shape[3] <= 9:
+        return _conv2d_weight_grad(grad_output, input, weight_shape, stride, padding, dilation)
+    swapped = aten.convolution.default(
+        input.transpose(0, 1), grad_output.transpose(0, 1), None, dilation, padding, stride, False,
+        [0] * len(spatial), 1,
+    )
+    for d in spatial:
+        swapped = swapped.narrow(d, 0, weight_shape[d])
+    return swapped.transpose(0, 1)
 
 
 # Note [Accumulating index_put as one scatter-add]
