@@ -1004,6 +1004,84 @@ def test_a_matrix_vector_product_of_a_transposed_matrix_and_its_gradients():
     assert_ran_in_ort(om)
 
 
+def test_addmv_of_a_transposed_matrix_matches_eager():
+    """torchlib's addmv is ``MatMul(mat, vec)``, the same fused Transpose as mv's (Note [mv as a matrix product]):
+    ``torch.addmv(b, W.t(), v)`` came out other numbers than eager's, silently."""
+
+    class AddMv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, 4))
+            self.b = nn.Parameter(torch.randn(4))
+
+        def forward(self, v: torch.Tensor) -> torch.Tensor:
+            return (torch.addmv(self.b, self.w.t(), v, alpha=2.0, beta=0.5)
+                    + torch.addmv(self.b, self.w.t(), v, beta=0.0)).square().sum()
+
+    eager, om = twin(AddMv())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(5, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)
+
+
+@pytest.mark.parametrize("include_self", [True, False])
+def test_scatter_reduce_mean_matches_eager(include_self):
+    """torchlib translates scatter_reduce's "mean" as a plain scatter (Note [scatter_reduce's mean as sums and
+    counts]): a segment mean came out the last source written, silently; integers divide with floor as PyTorch's."""
+
+    class SegmentMean(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, segment: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            index = segment.unsqueeze(1).expand(-1, 4)
+            pooled = x.new_ones(5, 4).scatter_reduce(0, index, self.lin(x), "mean", include_self=include_self)
+            counts = torch.full((5, 4), 7).scatter_reduce(0, index, (x * 10).long(), "mean",
+                                                          include_self=include_self)
+            return pooled.square().sum(), counts
+
+    eager, om = twin(SegmentMean())
+    segment = torch.tensor([0, 3, 3, 1, 3, 0])  # segments 2 and 4 get nothing
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(6, 4, generator=gen(step)), segment), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)
+
+
+def test_index_put_without_accumulate_writes():
+    """ortlab's index_put translation (the embedding backward's exact scatter-add) added where it should write:
+    ``z[idx] = v`` and ``index_copy`` onto anything but zeros came out ``z + v``, silently."""
+
+    class Writes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            rows = torch.tensor([5, 0, 2, 6])
+            z = x.new_ones(7, 4)
+            z[rows] = h * 2
+            copied = x.new_full((7, 4), 3.0).index_copy(0, rows, h)
+            w = h.clone()
+            w[torch.tensor([0, 2]), torch.tensor([1, 3])] = h[1, :2]
+            return (z * copied).sum() + w.square().sum()
+
+    eager, om = twin(Writes())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(4, 4, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)
+
+
 def test_spectral_norm_trains_like_eager():
     """Spectral norm's power iteration (torch.mv(W.H, u) into its buffers) ran a sigma hundreds of times off."""
     model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)), nn.Tanh(), nn.Linear(8, 2))

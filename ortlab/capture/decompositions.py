@@ -48,7 +48,7 @@ from ortlab.torchlib import overload, translated_ops
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
            "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast",
-           "mv_as_mm", "multilabel_margin_loss", "diagonal_scatter", "adaptive_avg_pool2d_backward"]
+           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "multilabel_margin_loss", "diagonal_scatter", "adaptive_avg_pool2d_backward"]
 
 aten = torch.ops.aten
 
@@ -99,6 +99,8 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
     table[aten.copy.default] = copy_broadcast
     table[aten.mv.default] = mv_as_mm
+    table[aten.addmv.default] = addmv_as_mm
+    table[aten.scatter_reduce.two] = scatter_reduce_mean
     table[aten.diagonal_scatter.default] = diagonal_scatter
     table[aten._unsafe_index_put.default] = index_put_accumulate
     table[aten.native_layer_norm.default] = native_layer_norm_float64
@@ -384,6 +386,42 @@ def multilabel_margin_loss(input: torch.Tensor, target: torch.Tensor, size_avera
 def mv_as_mm(self: torch.Tensor, vec: torch.Tensor) -> torch.Tensor:
     """``mv`` as ``mm`` with a one-column matrix (Note [mv as a matrix product])."""
     return torch.mm(self, vec.unsqueeze(1)).squeeze(1)
+
+
+def addmv_as_mm(self: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor, *, beta: complex = 1,
+                alpha: complex = 1) -> torch.Tensor:
+    """``addmv`` (torchlib: ``MatMul(mat, vec)``, the same fused Transpose) with its product as ``mm``
+    (Note [mv as a matrix product]); ``beta == 0`` ignores ``self``, NaN included, as PyTorch does."""
+    product = mv_as_mm(mat, vec)
+    product = product if alpha == 1 else product * alpha
+    if beta == 0:
+        return product
+    return (self if beta == 1 else self * beta) + product
+
+
+# Note [scatter_reduce's mean as sums and counts]
+# torchlib translates ``scatter_reduce(..., "mean")`` as a plain scatter (ONNX's ScatterElements has
+# no mean): each target came out the last source written there, not the mean, silently
+# (``torch_scatter``-style pooling of graph nodes, a mean over segments). PyTorch's kernel sums the
+# sources (and ``self`` when ``include_self``) and divides by their count, floor division for
+# integers; a target no source reaches keeps ``self``. The same with two ``scatter_add``.
+
+
+def scatter_reduce_mean(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, reduce: str,
+                        *, include_self: bool = True) -> object:
+    """``scatter_reduce`` with ``reduce="mean"`` (Note [scatter_reduce's mean as sums and counts]);
+    ``NotImplemented`` for the other reductions, which torchlib translates right."""
+    if reduce != "mean":
+        return NotImplemented
+    count = torch.zeros_like(self).scatter_add(dim, index, torch.ones_like(src))
+    total = torch.zeros_like(self).scatter_add(dim, index, src)
+    if include_self:
+        total, count = total + self, count + 1
+    else:
+        total, count = torch.where(count > 0, total, self), count.clamp_min(1)
+    if self.is_floating_point() or self.is_complex():
+        return total / count
+    return torch.div(total, count, rounding_mode="floor")
 
 
 # Note [diagonal_scatter as a scatter into the flattened matrices]

@@ -111,14 +111,18 @@ class ExportedGraph:
 
 @contextlib.contextmanager
 def _quiet_exporter() -> Iterator[None]:
-    """torch.onnx warns per node about missing module stacks and None outputs; we report those ourselves."""
-    core_logger = logging.getLogger(EXPORTER_LOGGERS[0])
-    old = core_logger.level
-    core_logger.setLevel(logging.ERROR)
+    """torch.onnx warns per node about missing module stacks and None outputs; we report those ourselves.
+    onnx_ir warns that an empty ``value_ints`` (torchlib's ``index_put`` with no sliced dims) defaults to INTS,
+    which is what torchlib meant."""
+    loggers = [logging.getLogger(EXPORTER_LOGGERS[0]), logging.getLogger("onnx_ir._convenience")]
+    old = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        core_logger.setLevel(old)
+        for lg, level in zip(loggers, old):
+            lg.setLevel(level)
 
 
 def _output_nodes(gm: torch.fx.GraphModule) -> list:

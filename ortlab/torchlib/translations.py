@@ -20,7 +20,9 @@ and loses updates when indices repeat (gradients off by 10-30 on repeated tokens
 different on every run). ``ScatterElements(reduction="add")`` over the flattened
 indices gives the exact sums, deterministically (checked against ``np.add.at``).
 Only the embedding form (one index tensor on dim 0) is translated; other forms stay
-in PyTorch with that reason (see ``ortlab.placement.KNOWN_WRONG``).
+in PyTorch with that reason (see ``ortlab.placement.KNOWN_WRONG``). A plain ``index_put``
+(``x[idx] = v``, ``index_copy``) writes: it is torchlib's translation (until 2026-11-27 it
+went through this one and added, silently, wherever ``x`` was not zeros).
 
 ``scalar_tensor`` (every Python number the exporter's type promotion turns into a tensor:
 ``x * 0.3``, ``x + eps``, the constants of ``gelu``/``erf``/``var`` backward): torchlib
@@ -49,7 +51,12 @@ def is_single_index_accumulate(node: torch.fx.Node) -> bool:
 
 
 def index_put_accumulate(self, indices: Sequence, values, accumulate: bool = False):  # noqa: ANN001
-    """Scatter-add ``values`` into ``self`` at ``indices[0]`` along dim 0."""
+    """Scatter-add ``values`` into ``self`` at ``indices[0]`` along dim 0; a plain ``index_put`` (no
+    ``accumulate``: ``x[idx] = v``) is torchlib's, which writes instead of adding."""
+    if not accumulate:
+        from onnxscript.function_libs.torch_lib.ops.core import aten_index_put
+
+        return aten_index_put(self, indices, values, accumulate=False)
     (index,) = indices
     flat_index = op.Reshape(index, op.Constant(value_ints=[-1]))
     row = op.Shape(self, start=1)  # the trailing dims of one row of self
