@@ -1054,6 +1054,31 @@ def test_scatter_reduce_mean_matches_eager(include_self):
     assert_ran_in_ort(om)
 
 
+def test_copysign_trains_like_eager():
+    """torch's copysign takes the sign from prims.signbit, whose fake kernel says float32 where the op returns
+    bool: the onnxruntime part after it expected a float and ortlab crashed (Note [copysign as a where on the
+    sign]). -0.0 carries its sign, as in PyTorch."""
+
+    class Signs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, ints: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.lin(x)
+            return (torch.copysign(h, x.flip(0)) * torch.copysign(h, -1.0)).sum(), torch.copysign(ints, x)
+
+    eager, om = twin(Signs())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        x = torch.randn(4, 4, generator=gen(step))
+        x[0, :2] = torch.tensor([0.0, -0.0])
+        return (x, torch.randint(-5, 5, (4, 4), generator=gen(step))), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)
+
+
 def test_index_put_without_accumulate_writes():
     """ortlab's index_put translation (the embedding backward's exact scatter-add) added where it should write:
     ``z[idx] = v`` and ``index_copy`` onto anything but zeros came out ``z + v``, silently."""

@@ -48,7 +48,8 @@ from ortlab.torchlib import overload, translated_ops
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
            "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast",
-           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "multilabel_margin_loss", "diagonal_scatter", "adaptive_avg_pool2d_backward"]
+           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "multilabel_margin_loss",
+           "diagonal_scatter", "adaptive_avg_pool2d_backward"]
 
 aten = torch.ops.aten
 
@@ -101,6 +102,8 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.mv.default] = mv_as_mm
     table[aten.addmv.default] = addmv_as_mm
     table[aten.scatter_reduce.two] = scatter_reduce_mean
+    table[aten.copysign.Tensor] = copysign
+    table[aten.copysign.Scalar] = copysign
     table[aten.diagonal_scatter.default] = diagonal_scatter
     table[aten._unsafe_index_put.default] = index_put_accumulate
     table[aten.native_layer_norm.default] = native_layer_norm_float64
@@ -397,6 +400,27 @@ def addmv_as_mm(self: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor, *, bet
     if beta == 0:
         return product
     return (self if beta == 1 else self * beta) + product
+
+
+# Note [copysign as a where on the sign]
+# torch's decomposition of ``copysign`` takes the sign from ``prims.signbit``, which has no ONNX
+# translation and runs in PyTorch, and whose fake kernel says float32 where the op returns bool: the
+# onnxruntime part after it expected a float input and ``torch.copysign`` crashed ortlab. The same
+# ``where`` with the sign tested as ``other < 0``, or ``other == 0`` and ``1 / other < 0`` (-0.0; torchlib's
+# ``signbit`` is ``x < 0`` alone), keeps the graph whole. A NaN's sign bit is not read: ``copysign(x, -nan)``
+# is ``|x|``, where PyTorch gives ``-|x|``.
+
+
+def copysign(self: torch.Tensor, other: torch.Tensor | float) -> torch.Tensor:
+    """``copysign`` as ``where(other is negative, -|self|, |self|)`` (Note [copysign as a where on the sign])."""
+    magnitude = self.abs()
+    if not isinstance(other, torch.Tensor):
+        return magnitude.neg() if math.copysign(1.0, other) < 0 else magnitude
+    if not self.is_floating_point():  # integers take the promoted dtype, as the op's
+        magnitude = magnitude.to(torch.result_type(self, other))
+    # torchlib's signbit is ``x < 0``, which misses -0.0 (copysign's usual reason to exist); 1 / -0.0 is -inf.
+    negative = (other < 0) | ((other == 0) & (torch.reciprocal(other.to(magnitude.dtype)) < 0))
+    return torch.where(negative, magnitude.neg(), magnitude)
 
 
 # Note [scatter_reduce's mean as sums and counts]
