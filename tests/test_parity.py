@@ -398,6 +398,31 @@ def test_empty_batches_run_in_onnxruntime_and_match():
     assert_ran_in_ort(om)
 
 
+def test_slices_and_means_of_nothing_match_eager():
+    """The gradient of an empty slice (Note [An empty slice_scatter writes nothing]) crashed onnxruntime's ScatterND;
+    means and variances over no elements were 0 and -0.0 where eager's are NaN (Note [The mean of nothing is NaN])."""
+
+    class Nothing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            h = self.lin(x)
+            loss = h.square().sum() + h[:0].sum(0).sum() + h[:, :0].sum(1).sum()
+            nothing = [h[:0].mean(0), h[:, :0].mean().reshape(1), h[:0].var(0), torch.std_mean(h[:0], 1)[0]]
+            return loss, torch.cat(nothing).isnan()  # NaN in eager
+
+    eager, om = twin(Nothing())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(4, 6, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)
+    assert om(*inputs()[0])[1].all()
+
+
 def test_float64_layer_norm_trains_in_onnxruntime():
     """torchlib's LayerNormalization saved float32 statistics for a float64 model: the backward failed."""
     eager, om = twin(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 3)).double())

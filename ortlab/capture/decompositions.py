@@ -48,7 +48,8 @@ from ortlab.torchlib import overload, translated_ops
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
            "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast",
-           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "multilabel_margin_loss",
+           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing",
+           "multilabel_margin_loss",
            "diagonal_scatter", "adaptive_avg_pool2d_backward"]
 
 aten = torch.ops.aten
@@ -103,6 +104,10 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.addmv.default] = addmv_as_mm
     table[aten.scatter_reduce.two] = scatter_reduce_mean
     table[aten.copysign.Tensor] = copysign
+    table[aten.slice_scatter.default] = slice_scatter_nothing
+    table[aten.mean.dim] = mean_of_nothing
+    table[aten.mean.default] = mean_of_nothing
+    table[torch.ops.prims.var.default] = var_of_nothing
     table[aten.copysign.Scalar] = copysign
     table[aten.diagonal_scatter.default] = diagonal_scatter
     table[aten._unsafe_index_put.default] = index_put_accumulate
@@ -488,6 +493,56 @@ def copy_broadcast(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = F
     if src.dim() == self.dim() and all(statically_known_true(a == b) for a, b in zip(src.shape, self.shape)):
         return NotImplemented  # symbolic sizes compared without a guard; unknown ones expand, which is exact anyway
     return src.to(dtype=self.dtype, device=self.device).expand(self.shape).clone()
+
+
+# Note [An empty slice_scatter writes nothing]
+# The gradient of a slice that selects nothing (``x[:0].sum(0)``, a loop's empty first window) is a
+# ``slice_scatter`` of an empty source. torchlib's translation builds ScatterND indices from the
+# slice's range, and onnxruntime rejected the empty update ("updates tensor should have shape equal
+# to indices.shape[:-1] + ..."): the step crashed. Nothing is written: the result is ``self``.
+
+
+def slice_scatter_nothing(self: torch.Tensor, src: torch.Tensor, dim: int = 0, start: int | None = None,
+                          end: int | None = None, step: int = 1) -> object:
+    """``slice_scatter`` of an empty source as ``self`` (Note [An empty slice_scatter writes nothing]);
+    ``NotImplemented`` (the op) otherwise."""
+    if any(isinstance(n, int) and n == 0 for n in src.shape):
+        return self.clone()
+    return NotImplemented
+
+
+# Note [The mean of nothing is NaN]
+# PyTorch's mean and variance over dims holding no elements (an empty batch's mean loss, ``x[:0].var(0)``)
+# are NaN, 0 / 0; onnxruntime's ReduceMean gives 0 and torchlib's variance -0.0, a finite loss where
+# eager's is NaN, silently. Where the reduced count is known to be 0 the result is NaN of the reduction's
+# shape (its sum, plus NaN); any other count keeps the op.
+
+
+def _reduced_count(self: torch.Tensor, dim: object) -> object:
+    dims = range(self.dim()) if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0) else (
+        [dim] if isinstance(dim, int) else dim)
+    return math.prod(self.shape[d] for d in dims)
+
+
+def mean_of_nothing(self: torch.Tensor, dim: object = None, keepdim: bool = False, *,
+                    dtype: torch.dtype | None = None) -> object:
+    """``mean`` over dims holding no elements as NaN (Note [The mean of nothing is NaN]); ``NotImplemented``
+    (the op) otherwise."""
+    count = _reduced_count(self, dim)
+    if not (isinstance(count, int) and count == 0):
+        return NotImplemented
+    total = torch.sum(self, dim if dim is not None else [], keepdim=keepdim, dtype=dtype)
+    return total + float("nan")
+
+
+def var_of_nothing(self: torch.Tensor, dims: list[int] | None, correction: float = 1.0, *,
+                   output_dtype: torch.dtype | None = None) -> object:
+    """``prims.var`` over dims holding no elements as NaN (Note [The mean of nothing is NaN]); ``NotImplemented``
+    (the op) otherwise."""
+    count = _reduced_count(self, dims)
+    if not (isinstance(count, int) and count == 0) or output_dtype is not None:
+        return NotImplemented
+    return torch.sum(self, dims if dims is not None else []) + float("nan")
 
 
 # Note [A contiguous as_strided_scatter is a slice_scatter]
