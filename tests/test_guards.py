@@ -45,19 +45,46 @@ class Selects(nn.Module):
         return torch.index_select(self.w, 0, index) * 2
 
 
+class Writes(nn.Module):
+    """Ops that write at their indices: ONNX's scatters counted a negative index from the end, silently."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.w = nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, index: torch.Tensor) -> torch.Tensor:
+        base = torch.ones(5, 4)
+        if self.op == "scatter_add":
+            return base.scatter_add(0, index.unsqueeze(1).expand(3, 4), self.w)
+        if self.op == "scatter_reduce":
+            return base.scatter_reduce(0, index.unsqueeze(1).expand(3, 4), self.w, "amax")
+        if self.op == "index_add":
+            return base.index_add(0, index, self.w)
+        if self.op == "index_copy":
+            return base.index_copy(0, index, self.w)
+        base[index] = self.w * 2  # index_put: negative indices count from the end, as in PyTorch
+        return base
+
+
 CASES: list[tuple[str, Callable[[], nn.Module], Callable[[list], tuple]]] = [
     ("embedding", lambda: nn.Embedding(10, 4), lambda v: (torch.tensor(v),)),
     ("cross_entropy", Loss, lambda v: (torch.randn(3, 4, generator=torch.Generator().manual_seed(0)), torch.tensor(v))),
     ("gather", Gathers, lambda v: (torch.tensor(v),)),
     ("index_select", Selects, lambda v: (torch.tensor(v),)),
+    *((op, lambda op=op: Writes(op), lambda v: (torch.tensor(v),))
+      for op in ("scatter_add", "scatter_reduce", "index_add", "index_copy", "setitem")),
 ]
 VALID = {"embedding": [1, 2, 9], "cross_entropy": [0, -100, 4], "gather": [[0, 1], [2, 3], [1, 1]],
-         "index_select": [0, 5, 5]}
+         "index_select": [0, 5, 5], "scatter_add": [4, 0, 4], "scatter_reduce": [4, 0, 4], "index_add": [4, 0, 4],
+         "index_copy": [4, 0, 2], "setitem": [-1, 0, 2]}
 INVALID = {
     "embedding": [[1, 2, -1], [1, 10], [-11]],
     "cross_entropy": [[0, -1, 2], [0, 5, 1]],
     "gather": [[[0, -1], [2, 3], [1, 1]], [[0, 1], [2, 4], [1, 1]]],
     "index_select": [[0, -1, 2], [6, 0, 0]],
+    **{op: [[0, -1, 2], [5, 0, 1]] for op in ("scatter_add", "scatter_reduce", "index_add", "index_copy")},
+    "setitem": [[0, -6, 2], [5, 0, 1]],
 }
 
 

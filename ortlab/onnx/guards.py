@@ -8,7 +8,9 @@ index out of range in self``), ``gather`` too (``RuntimeError: index -1 is out o
 bounds ...``), advanced indexing ``x[idx]`` wants ``-n <= i < n``, and a loss's target
 ``0 <= t < C`` or ``ignore_index`` (``IndexError: Target -1 is out of bounds.``). Through
 onnxruntime, ``nn.Embedding(10, 4)(tensor([1, 2, -1]))`` returned row 9 and
-``F.cross_entropy`` with a target of -1 returned a loss: silently wrong.
+``F.cross_entropy`` with a target of -1 returned a loss: silently wrong. Ops that write at
+their indices (``scatter``, ``scatter_add``, ``scatter_reduce``, ``x[idx] = v``, ``index_add``,
+``index_copy``) wrote a negative index's values into a row from the end.
 
 So the exporter gives each such op of a forward or no-grad graph a guard: an extra
 int64 output ``[min index, max index, size]`` (three reductions over the index tensor,
@@ -86,14 +88,31 @@ def _specs(node: torch.fx.Node) -> list[tuple[torch.fx.Node, torch.fx.Node, int,
             return [(args[0], args[2], args[1], "0", "IndexError", "Target {index} is out of bounds.")]
         return [(args[0], args[2], args[1], "0", "RuntimeError",
                  "index {index} is out of bounds for dimension {dim} with size {size}")]
-    if name == "aten.index" and len(args) > 1:
+    if name in _SCATTERS:
+        return [(args[0], args[2], args[1], "0", "RuntimeError",
+                 "index {index} is out of bounds for dimension {dim} with size {size}")]
+    if name in ("aten.index", "aten.index_put", "aten._unsafe_index_put") and len(args) > 1:
+        original = node.meta.get("original_aten")
+        origin = op_name_of(original) if original is not None else ""
+        lowest, error, message = _WRITES_FROM.get(origin, ("-size", "IndexError", _OUT_OF_BOUNDS))
         out = []
         for d, index in enumerate(args[1]):
             if isinstance(index, torch.fx.Node) and _is_integer(index):
-                out.append((args[0], index, d, "-size", "IndexError",
-                            "index {index} is out of bounds for dimension {dim} with size {size}"))
+                out.append((args[0], index, d, lowest, error, message))
         return out
     return []
+
+
+_OUT_OF_BOUNDS = "index {index} is out of bounds for dimension {dim} with size {size}"
+# Ops that write at their indices (``scatter``'s family; ``index_put`` below): PyTorch raises for any index
+# outside ``[0, size)`` (``index_put``: ``[-size, size)``); ONNX's ScatterElements and ScatterND count a
+# negative one from the end, silently, and answer one past the end with onnxruntime's own error.
+_SCATTERS = frozenset({"aten.scatter", "aten.scatter_add", "aten.scatter_reduce"})
+# ``index_put`` nodes that torch's decompositions made of ops that forbid negative indices.
+_WRITES_FROM = {
+    "aten.index_add": ("0", "RuntimeError", _OUT_OF_BOUNDS),
+    "aten.index_copy": ("0", "IndexError", "index_copy_(): " + _OUT_OF_BOUNDS),
+}
 
 
 def op_name_of(target: Any) -> str:
