@@ -696,6 +696,38 @@ def test_autocast_bf16_cpu():
     assert om.report.captures, "nothing was captured"
 
 
+def test_autocast_bf16_norms_keep_float32_statistics():
+    """Note [Mixed-precision norms keep float32 statistics] and Note [PyTorch's kernels return the traced dtypes]:
+    a Linear + LayerNorm under bf16 autocast crashed in the backward (the LayerNorm, in PyTorch, returned float32
+    statistics to a part built for bf16); a BatchNorm's weight gradient used bf16-rounded statistics (0.2% off)."""
+
+    class Norms(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 32)
+            self.ln = nn.LayerNorm(32)
+            self.bn = nn.BatchNorm1d(32)
+            self.gn = nn.GroupNorm(4, 32)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.ln(self.lin(x))
+            h = self.bn(h.transpose(1, 2))
+            return self.gn(h).float().square().sum()
+
+    eager, om = twin(Norms())
+    x = torch.randn(4, 10, 16, generator=gen(0))
+    for model in (eager, om):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x)
+        loss.backward()
+    for (name, p), q in zip(eager.named_parameters(), om.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=BF16_RTOL, atol=BF16_ATOL, msg=name)
+    for name in ("bn.weight", "gn.weight", "ln.weight"):  # sums that nearly cancel: the statistics' precision shows
+        p, q = eager.get_parameter(name), om.module.get_parameter(name)
+        torch.testing.assert_close(q.grad, p.grad, rtol=5e-4, atol=1e-3, msg=name)
+    assert_state_dict_close(eager, om)
+
+
 def test_autocast_bf16_logits_dtype():
     module, inputs = make("tiny_mlp")
     eager, om = twin(module)

@@ -94,6 +94,10 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     for op in _FORCE_DECOMPOSE:
         if op in aten_decompositions:
             table[op] = aten_decompositions[op]
+    for op in (aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit.default,
+               aten.native_batch_norm.default):
+        if op in table:
+            table[op] = _batch_norm_with_float_statistics(table[op])
     table[aten.convolution_backward.default] = convolution_backward
     table[aten.index_put.default] = index_put_accumulate
     table[aten.as_strided_scatter.default] = as_strided_scatter_contiguous
@@ -179,6 +183,34 @@ def flash_attention_for_cpu_backward(
     return grad_query, grad_key, grad_value
 
 
+# Note [Mixed-precision norms keep float32 statistics]
+# Under autocast a norm takes a bf16 (or fp16) input with float32 weights or running statistics.
+# PyTorch's CPU kernels then compute in float32 and return the output in the input's dtype but the
+# saved mean and rstd in float32; torch's decompositions (and meta kernels) round those to the
+# input's dtype, and the backward used the rounded ones: a BatchNorm's weight gradient, a sum of
+# dy * (x - mean) that nearly cancels, came out 0.2% to many times off eager's under bf16 autocast,
+# silently. Such a norm is decomposed as PyTorch's kernel computes it: in float32, the output cast
+# back, the statistics kept in float32.
+def _mixed_precision(input: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    return input.dtype in (torch.bfloat16, torch.float16) and any(
+        isinstance(p, torch.Tensor) and p.dtype == torch.float32 for p in params)
+
+
+def _batch_norm_with_float_statistics(decomposition: Callable) -> Callable:
+    """torch's batch-norm decomposition, in float32 for a mixed-precision call (Note [Mixed-precision norms keep
+    float32 statistics])."""
+
+    def batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   *args: object) -> object:
+        stats = [a for a in args[:2] if isinstance(a, torch.Tensor)]  # running_mean, running_var (when given)
+        if not _mixed_precision(input, weight, bias, *stats):
+            return decomposition(input, weight, bias, *args)
+        out = decomposition(input.float(), weight, bias, *args)
+        return (out[0].to(input.dtype), *out[1:])
+
+    return batch_norm
+
+
 def native_layer_norm_float64(
     input: torch.Tensor,
     normalized_shape: list[int],
@@ -186,10 +218,15 @@ def native_layer_norm_float64(
     bias: torch.Tensor | None,
     eps: float,
 ) -> object:
-    """``native_layer_norm`` through torch's decomposition in float64 only (see the module docstring)."""
+    """``native_layer_norm`` through torch's decomposition in float64 (see the module docstring), and in float32
+    for a mixed-precision call (Note [Mixed-precision norms keep float32 statistics])."""
+    decomposition = aten_decompositions[aten.native_layer_norm.default]
+    if _mixed_precision(input, weight, bias):
+        out, mean, rstd = decomposition(input.float(), normalized_shape, weight, bias, eps)
+        return out.to(input.dtype), mean, rstd
     if input.dtype != torch.float64:
         return NotImplemented
-    return aten_decompositions[aten.native_layer_norm.default](input, normalized_shape, weight, bias, eps)
+    return decomposition(input, normalized_shape, weight, bias, eps)
 
 
 def native_group_norm_exact(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
@@ -201,8 +238,12 @@ def native_group_norm_exact(input: torch.Tensor, weight: torch.Tensor | None, bi
     sums over nothing (zeros, as eager's), and the statistics are empty ``(0, G)``.
     """
     if not (isinstance(input.shape[0], int) and input.shape[0] == 0):
+        decomposition = aten_decompositions[aten.native_group_norm.default]
+        if _mixed_precision(input, weight, bias):  # Note [Mixed-precision norms keep float32 statistics]
+            out, mean, rstd = decomposition(input.float(), weight, bias, n, c, hxw, group, eps)
+            return out.to(input.dtype), mean, rstd
         if input.dtype == torch.float64:  # GroupNormalization keeps its statistics in float32, as LayerNorm
-            return aten_decompositions[aten.native_group_norm.default](input, weight, bias, n, c, hxw, group, eps)
+            return decomposition(input, weight, bias, n, c, hxw, group, eps)
         return NotImplemented
     shape = [1, c] + [1] * (input.dim() - 2)
     out = input * weight.reshape(shape) if weight is not None else input.clone()

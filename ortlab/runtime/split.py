@@ -30,7 +30,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from ortlab._compat.torch import OpOverload
 
-__all__ = ["copy_graph", "split_graph", "boxed", "eager_layout"]
+__all__ = ["copy_graph", "split_graph", "boxed", "eager_layout", "as_traced_dtypes"]
 
 # What turns one FX graph (the whole graph, or one partition) into a callable returning a list.
 PartMaker = Callable[[torch.fx.GraphModule, str], Callable[..., list]]
@@ -204,6 +204,50 @@ def _partitions_by_depth(gm: torch.fx.GraphModule, support: OperatorSupportBase)
     return [Partition(id=i, nodes=group) for i, (_, group) in enumerate(sorted(by_depth.items(), reverse=True))]
 
 
+# Note [PyTorch's kernels return the traced dtypes]
+# A graph is traced with fake tensors, whose dtypes come from torch's meta kernels; the CPU kernels
+# do not always agree. Under bf16 autocast ``native_layer_norm``, ``native_group_norm`` and
+# ``_native_batch_norm_legit_functional`` of a bf16 input with float32 weights return their
+# statistics in float32 where the meta kernels say bf16 (torch 2.13). Run in PyTorch (onnxruntime's
+# CPU provider has no bf16 LayerNormalization), such an op handed float32 to an onnxruntime part
+# built for bf16: the backward of a Linear + LayerNorm under autocast crashed ("Unexpected input
+# data type"). Each op run in PyTorch between parts therefore gives the graph the dtypes it was
+# traced with: a tensor of another dtype is cast (nothing happens when they agree, which is every
+# op outside autocast).
+def _traced_dtypes(node: torch.fx.Node) -> object:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.dtype
+    if isinstance(val, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in val):
+        return tuple(v.dtype if isinstance(v, torch.Tensor) else None for v in val)
+    return None
+
+
+def as_traced_dtypes(out: object, dtypes: object) -> object:
+    """``out`` (a tensor, or a tuple of them) cast to the dtypes the graph was traced with, where they differ."""
+    if isinstance(dtypes, torch.dtype):
+        return out.to(dtypes) if isinstance(out, torch.Tensor) and out.dtype != dtypes else out
+    if isinstance(out, (tuple, list)) and any(isinstance(t, torch.Tensor) and d is not None and t.dtype != d
+                                              for t, d in zip(out, dtypes)):
+        return type(out)(t.to(d) if isinstance(t, torch.Tensor) and d is not None and t.dtype != d else t
+                         for t, d in zip(out, dtypes))
+    return out
+
+
+def _cast_to_traced_dtypes(gm: torch.fx.GraphModule, in_pytorch: Collection[str]) -> None:
+    """After each op run in PyTorch, its outputs in the dtypes it was traced with (Note [PyTorch's kernels return
+    the traced dtypes])."""
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.name not in in_pytorch or not isinstance(node.target, OpOverload):
+            continue
+        dtypes = _traced_dtypes(node)
+        if dtypes is None or not node.users:
+            continue
+        with gm.graph.inserting_after(node):
+            cast = gm.graph.call_function(as_traced_dtypes, (node, dtypes))
+        node.replace_all_uses_with(cast, delete_user_cb=lambda user, cast=cast: user is not cast)
+
+
 def split_graph(gm: torch.fx.GraphModule, in_pytorch: Collection[str], make_part: PartMaker,
                 random: Collection[str] = ()) -> Callable:
     """A boxed callable running ``gm``: the nodes in ``in_pytorch`` in PyTorch, the rest in parts.
@@ -236,6 +280,7 @@ def split_graph(gm: torch.fx.GraphModule, in_pytorch: Collection[str], make_part
                 out.args = ((out.args[0],),)
                 sub.recompile()
             setattr(fused, node.target, _OrtPart(make_part(sub, node.target), single))
+    _cast_to_traced_dtypes(fused, in_pytorch)
     for node in list(fused.graph.nodes):
         for i, order in layouts.get(node.name, {}).items():
             with fused.graph.inserting_before(node):
