@@ -307,3 +307,29 @@ def test_a_one_dimensional_transposed_convolution_trains_in_onnxruntime():
     model = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.ReLU(), nn.ConvTranspose1d(4, 2, 4, stride=2, padding=1),
                           nn.Flatten(), nn.Linear(2 * 14, 1))
     _one_part_per_graph_beside_eager(nn.Sequential(model, nn.Flatten(0)), torch.randn(1, 3, 7))
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+def test_replication_padding_backward_as_edge_sums_matches_the_op(dims):
+    """Note [Replication padding's backward as edge sums]: against the op, pads of 0, 1 and past the input's size."""
+    import itertools
+
+    from ortlab.capture.decompositions import replication_pad_backward
+
+    op = getattr(torch.ops.aten, f"replication_pad{dims}d_backward").default
+    gen = torch.Generator().manual_seed(dims)
+    for shape in ([2, 3] + [1] * dims, [2, 3] + [4, 5, 3][:dims], [1, 2] + [2, 1, 6][:dims]):
+        for pads in itertools.product([0, 1, 7], repeat=2 * dims):
+            if dims == 3 and len(set(pads)) > 2:
+                continue
+            x = torch.randn(shape, dtype=torch.float64, generator=gen)
+            grad = torch.randn(nn.functional.pad(x, list(pads), mode="replicate").shape, dtype=torch.float64,
+                               generator=gen)
+            torch.testing.assert_close(replication_pad_backward(grad, x, list(pads)), op(grad, x, list(pads)))
+
+
+def test_a_replicate_padded_convolution_keeps_its_backward_in_onnxruntime():
+    """replication_pad2d_backward had no translation: ``padding_mode="replicate"`` cut the backward in PyTorch."""
+    torch.manual_seed(0)
+    _one_part_per_graph_beside_eager(
+        _ConvThen(nn.Conv2d(4, 4, 3, padding=2, padding_mode="replicate")), torch.randn(2, 3, 7, 6))

@@ -48,7 +48,7 @@ from ortlab.torchlib import overload, translated_ops
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
            "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast",
-           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing",
+           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "replication_pad_backward", "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing",
            "multilabel_margin_loss",
            "diagonal_scatter", "adaptive_avg_pool2d_backward"]
 
@@ -109,6 +109,9 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.scatter_reduce.two] = scatter_reduce_mean
     table[aten.copysign.Tensor] = copysign
     table[aten.slice_scatter.default] = slice_scatter_nothing
+    for op in (aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
+               aten.replication_pad3d_backward.default):
+        table[op] = replication_pad_backward
     table[aten.mean.dim] = mean_of_nothing
     table[aten.mean.default] = mean_of_nothing
     table[torch.ops.prims.var.default] = var_of_nothing
@@ -615,6 +618,39 @@ def as_strided_scatter_contiguous(self: torch.Tensor, src: torch.Tensor, size: l
     if numel == self.numel():
         return flat.reshape(self.shape)
     return self.reshape(-1).slice_scatter(flat, 0, offset, offset + numel).reshape(self.shape)
+
+
+# Note [Replication padding's backward as edge sums]
+# ``replication_pad{1,2,3}d_backward`` has no ONNX translation, so a ``padding_mode="replicate"``
+# convolution (or ``F.pad(mode="replicate")``) cut its backward around the op in PyTorch. Each padded
+# element copies the input's edge element along one dim, so, one dim at a time from the last: the
+# gradient of the kept middle, with the sums of the left and right pads added to the first and last
+# element. Negative padding (a crop) keeps the op.
+
+
+def replication_pad_backward(grad_output: torch.Tensor, self: torch.Tensor, padding: list[int]) -> object:
+    """``replication_pad{1,2,3}d_backward`` as slices and edge sums (Note [Replication padding's backward as edge
+    sums]); ``NotImplemented`` (the op) for negative or symbolic padding and sizes."""
+    if any(not isinstance(p, int) or p < 0 for p in padding) or any(not isinstance(n, int) for n in self.shape):
+        return NotImplemented
+    grad = grad_output
+    for k in range(len(padding) // 2):
+        d = self.dim() - 1 - k
+        left, right, n = padding[2 * k], padding[2 * k + 1], self.shape[d]
+        middle = grad.narrow(d, left, n)
+        if n == 0 or (left == 0 and right == 0):
+            grad = middle
+            continue
+        edges = []
+        for size, start, at in ((left, 0, 0), (right, left + n, n - 1)):
+            if size:
+                total = grad.narrow(d, start, size).sum(d, keepdim=True)
+                shape = list(total.shape)
+                before, after = shape.copy(), shape.copy()
+                before[d], after[d] = at, n - 1 - at
+                edges.append(torch.cat([total.new_zeros(before), total, total.new_zeros(after)], d))
+        grad = middle + sum(edges[1:], edges[0])
+    return grad
 
 
 # Note [Average pooling's backward as repeats and shifted sums]
