@@ -728,6 +728,32 @@ def test_autocast_bf16_norms_keep_float32_statistics():
     assert_state_dict_close(eager, om)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_scatters_with_a_reduction_run_in_pytorch(dtype):
+    """onnxruntime's CPU provider builds a bf16/fp16 ScatterElements(reduction="add") session and refuses it when it
+    runs: a gather's gradient, scatter_add and index_add crashed the step (XLNet, DeBERTa-v2, Falcon, ProphetNet under
+    bf16 autocast). Those nodes run in PyTorch, with the reason."""
+
+    class Scatters(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 6).to(dtype))
+
+        def forward(self, index: torch.Tensor) -> torch.Tensor:
+            rows = index.view(4, 1).expand(4, 6)
+            added = torch.zeros(5, 6, dtype=dtype).scatter_add(0, rows, self.w)
+            indexed = torch.zeros(5, 6, dtype=dtype).index_add(0, index, self.w * 2)
+            return (added * indexed).sum() + self.w.gather(1, rows[:, :3]).sum()
+
+    eager, om = twin(Scatters())
+    index = torch.tensor([0, 3, 3, 1])
+    for model in (eager, om):
+        model(index).backward()
+    torch.testing.assert_close(om.w.grad, eager.w.grad, rtol=BF16_RTOL, atol=BF16_ATOL)
+    if om.report.captures[0].graphs[0].providers.startswith("CPUExecutionProvider"):
+        assert any("ScatterElements" in f.reason for f in om.report.fallbacks), om.report.fallbacks
+
+
 def test_autocast_bf16_logits_dtype():
     module, inputs = make("tiny_mlp")
     eager, om = twin(module)

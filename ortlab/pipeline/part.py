@@ -41,7 +41,7 @@ from ortlab.runtime.cache import (
     store_entry,
     structure_key,
 )
-from ortlab.runtime.kernels import missing_kernels
+from ortlab.runtime.kernels import low_precision_nodes, missing_kernels, rejected_at_run_time
 from ortlab.runtime.observe import GraphObserver, observed_part
 from ortlab.runtime.openvino import preparation
 from ortlab.runtime.providers import is_plugin
@@ -335,6 +335,11 @@ class PartBuilder:
                 os.close(fd)
             return temp
 
+        rejected = [n.op_type for n in low_precision_nodes(exported.model) if rejected_at_run_time(n, list(providers))]
+        if rejected:  # the session would build and the step fail: send those nodes to PyTorch now
+            error = SessionError(f"onnxruntime's {providers[0]} rejects {rejected[0]} with a reduction on "
+                                 "bfloat16/float16 when it runs")
+            raise self._retry(error, exported) from error
         target = staged if staged is not None else scratch()
         try:
             try:

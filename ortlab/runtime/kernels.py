@@ -19,7 +19,7 @@ from ortlab.config import Options
 from ortlab.errors import SessionError
 from ortlab.runtime.session import build_session
 
-__all__ = ["LOW_PRECISION", "low_precision_nodes", "missing_kernels"]
+__all__ = ["LOW_PRECISION", "low_precision_nodes", "missing_kernels", "rejected_at_run_time"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,11 +79,27 @@ def _has_kernel(signature: tuple, model_bytes: bytes, providers: tuple[str, ...]
         return False
 
 
+def rejected_at_run_time(node: ir.Node, providers: list[str]) -> bool:
+    """A node whose session builds but whose kernel refuses its dtype when it runs: the CPU provider's
+    ScatterElements and ScatterND reduce (``add``, ``mul``, ``max``, ``min``) no bfloat16 or float16 ("BFloat16 data
+    type is not supported with ScatterElements opset 16 when reduction is 'add'", at run time: a bf16 model's
+    ``scatter_add``, ``index_add`` or gather gradient crashed the step)."""
+    if not providers or providers[0] != "CPUExecutionProvider" or node.op_type not in ("ScatterElements", "ScatterND"):
+        return False
+    reduction = node.attributes.get("reduction")
+    data = node.inputs[0] if node.inputs else None
+    return (reduction is not None and reduction.value != "none" and data is not None
+            and data.dtype in LOW_PRECISION)
+
+
 def missing_kernels(model: ir.Model, providers: list[str]) -> list[ir.Node]:
     """Low-precision nodes of ``model`` that ``providers`` cannot run."""
     opset = model.opset_imports.get("", 18)
     missing = []
     for node in low_precision_nodes(model):
+        if rejected_at_run_time(node, providers):
+            missing.append(node)
+            continue
         sig = _signature(node, model.opset_imports.get(node.domain or "", opset))
         data = _probe_model(node, sig[2])
         if data is not None and not _has_kernel(sig, data, tuple(providers)):
