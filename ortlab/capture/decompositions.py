@@ -48,8 +48,8 @@ from ortlab.torchlib import overload, translated_ops
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
            "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast",
-           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "replication_pad_backward", "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing",
-           "multilabel_margin_loss",
+           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "replication_pad_backward",
+           "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
            "diagonal_scatter", "adaptive_avg_pool2d_backward"]
 
 aten = torch.ops.aten
