@@ -1162,6 +1162,34 @@ def test_copysign_trains_like_eager():
     assert_ran_in_ort(om)
 
 
+def test_a_masked_write_of_one_row_runs_in_onnxruntime():
+    """Note [A masked write of one row is a where]: ``h[mask] = self.mask_token`` went through ``nonzero``, the capture
+    failed and the whole graph ran in PyTorch; a write into a view of ``h`` changes ``h``, as in eager."""
+
+    class MaskTokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+            self.mask_token = nn.Parameter(torch.randn(6))
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            masked = h.clone()
+            masked[mask] = self.mask_token
+            grid = h.view(2, 2, 6)
+            grid[mask.view(2, 2)] = self.mask_token.view(1, 6) * 2  # through a view: h changes too
+            return (masked * h).sum()
+
+    eager, om = twin(MaskTokens())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(4, 6, generator=gen(step)), torch.tensor([[True, False, True, False],
+                                                                      [False, False, False, False]][step % 2])), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert_ran_in_ort(om)
+
+
 def test_index_put_without_accumulate_writes():
     """ortlab's index_put translation (the embedding backward's exact scatter-add) added where it should write:
     ``z[idx] = v`` and ``index_copy`` onto anything but zeros came out ``z + v``, silently."""
