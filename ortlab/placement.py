@@ -62,6 +62,10 @@ KINDS: dict[str, str] = {
 RANDOM_OPS = frozenset({
     "aten.native_dropout", "aten.bernoulli", "aten.rand", "aten.rand_like", "aten.randn", "aten.randn_like",
     "aten.randint", "aten.randperm", "aten.multinomial",
+    # AOTAutograd's wrappers around a checkpointed region's random op (torch.utils.checkpoint, Hugging Face's
+    # gradient checkpointing): the forward saves the generator's state and draws, the backward's recomputation
+    # draws again from that state; both draw from PyTorch's generator, in order.
+    "run_and_save_rng_state", "run_with_rng_state",
 })
 
 

@@ -295,6 +295,41 @@ def test_dropout_same_seed_same_result():
     assert_ran_in_ort(om)
 
 
+def test_activation_checkpointing_with_dropout_runs_in_onnxruntime():
+    """torch.utils.checkpoint (Hugging Face's gradient checkpointing) wraps a region's random ops in AOTAutograd's
+    run_and_save_rng_state / run_with_rng_state: the forward, whose tuple-valued wrapper could not cross into
+    onnxruntime, ran whole in PyTorch. They run in PyTorch as random ops, the rest in onnxruntime, eager's masks."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down, self.drop = nn.Linear(8, 16), nn.Linear(16, 8), nn.Dropout(0.3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(self.drop(torch.relu(self.up(x))))
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            return x.square().sum()
+
+    eager, om = twin(Checkpointed())
+
+    def inputs(step: int = 0) -> tuple[tuple, dict]:
+        return (torch.randn(4, 8, generator=gen(step)),), {}
+
+    assert_parity(eager, om, inputs, steps=2, lr=0.1)
+    assert {f.op for f in om.report.fallbacks} == {"run_and_save_rng_state", "run_with_rng_state"}
+    assert all(f.kind == "random" for f in om.report.fallbacks)
+    assert all(g.parts for c in om.report.captures for g in c.graphs)
+
+
 def test_gpt_with_dropout_same_seed_same_result():
     module, inputs = make("tiny_gpt_dropout")
     eager, om = twin(module)

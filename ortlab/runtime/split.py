@@ -44,9 +44,10 @@ class _Support(OperatorSupportBase):
     def is_node_supported(self, submodules: object, node: torch.fx.Node) -> bool:
         if node.op != "call_function" or node.name in self.in_pytorch:
             return False
-        if node.target is operator.getitem:  # keep a getitem with its producer
+        if node.target is operator.getitem:  # keep a getitem with its producer (a getitem's item's too)
             src = node.args[0]
-            return not (isinstance(src, torch.fx.Node) and src.name in self.in_pytorch)
+            return not (isinstance(src, torch.fx.Node) and src.op == "call_function"
+                        and not self.is_node_supported(submodules, src))
         return True
 
 
