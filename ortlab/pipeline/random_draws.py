@@ -49,7 +49,8 @@ import torch.fx
 from ortlab.placement import is_random, matches
 from ortlab.provenance import op_name
 
-__all__ = ["DRAWN_REASON", "HOISTED_REASON", "draw_random_ahead", "dropout_mask"]
+__all__ = ["DRAWN_REASON", "HOISTED_REASON", "draw_random_ahead", "dropout_mask", "replayed_dropout_mask",
+           "save_rng_state"]
 
 aten = torch.ops.aten
 
@@ -179,8 +180,86 @@ def _tensor_layout(node: torch.fx.Node) -> torch.Tensor | None:
     return value if _static_layout(value) and _plain(node.args[1:], node.kwargs) else None  # type: ignore[return-value]
 
 
+# Note [Checkpointed dropouts drawn ahead]
+# Activation checkpointing (``torch.utils.checkpoint``, Hugging Face's ``gradient_checkpointing_enable()``)
+# makes AOTAutograd wrap each random op of a checkpointed region: the forward runs it as
+# ``run_and_save_rng_state(native_dropout, x, p, train)``, which saves the CPU generator's state and
+# draws, and the backward recomputes it as ``run_with_rng_state(state, native_dropout, x, p, train)``,
+# which draws from that state and puts the generator back as it was. Both are dropouts drawn ahead like
+# any other: the forward's saves the state (``torch.get_rng_state()``) and draws the mask at the top;
+# the backward's draws the mask from the saved state at the top of the backward, leaving the stream as
+# it found it. A Hugging Face RoBERTa with gradient checkpointing and dropout then ran in one part per
+# graph instead of 21. Other ops inside these wrappers, and other devices, keep them where they are.
+def _rng_wrapper(node: torch.fx.Node) -> str | None:
+    """``saved`` or ``replayed`` for AOTAutograd's wrappers around a CPU dropout; None for anything else."""
+    name = op_name(node)
+    if name not in ("run_and_save_rng_state", "run_with_rng_state"):
+        return None
+    args = list(node.args)
+    if name == "run_with_rng_state":
+        args = args[1:]
+    if not args or args[0] is not aten.native_dropout.default or node.kwargs:
+        return None
+    inner = list(args[1:]) + [None] * (3 - len(args[1:]))
+    x, p, train = inner[:3]
+    value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    if (train is False or type(p) not in (int, float) or not (0 <= p < 1) or not _static_layout(value)
+            or not value.dtype.is_floating_point or value.device.type != "cpu"):
+        return None
+    return "saved" if name == "run_and_save_rng_state" else "replayed"
+
+
+def save_rng_state() -> torch.Tensor:
+    """The CPU generator's state, as ``run_and_save_rng_state`` saves it (Note [Checkpointed dropouts drawn ahead])."""
+    return torch.get_rng_state()
+
+
+save_rng_state._ortlab_random = DRAWN_REASON  # type: ignore[attr-defined]
+
+
+def replayed_dropout_mask(state: torch.Tensor, shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype,
+                          device: torch.device, p: float) -> torch.Tensor:
+    """The mask a checkpointed dropout drew from ``state``, drawn again with the generator put back after it, as
+    ``run_with_rng_state`` does (Note [Checkpointed dropouts drawn ahead])."""
+    current = torch.get_rng_state()
+    torch.set_rng_state(state)
+    try:
+        return dropout_mask(shape, stride, dtype, device, p)
+    finally:
+        torch.set_rng_state(current)
+
+
+replayed_dropout_mask._ortlab_random = HOISTED_REASON  # type: ignore[attr-defined]
+
+
+def _wrapper_items(node: torch.fx.Node, kind: str) -> tuple | None:
+    """(state item or None, out item or None, mask item or None) of a wrapper whose users are only these items."""
+    items = _getitems(node)
+    if items is None:
+        return None
+    state = None
+    result = node
+    if kind == "saved":
+        if set(items) - {0, 1}:
+            return None
+        state, result = items.get(0), items.get(1)
+        if result is None:
+            return state, None, None
+        inner = _getitems(result)
+        if inner is None or set(inner) - {0, 1}:
+            return None
+        return state, inner.get(0), inner.get(1)
+    if set(items) - {0, 1}:
+        return None
+    return None, items.get(0), items.get(1)
+
+
 def _plan(node: torch.fx.Node) -> str | None:
-    """How a random op is drawn ahead ("dropout", "as is", "on zeros"); None where it cannot be."""
+    """How a random op is drawn ahead ("dropout", "as is", "on zeros", "saved dropout", "replayed dropout"); None
+    where it cannot be."""
+    wrapper = _rng_wrapper(node)
+    if wrapper is not None:
+        return f"{wrapper} dropout" if _wrapper_items(node, wrapper) is not None else None
     if node.target is aten.native_dropout.default:
         return "dropout" if _hoistable(node) is not None and _getitems(node) is not None else None
     if node.target in _NO_TENSOR:
@@ -209,6 +288,10 @@ def draw_random_ahead(gm: torch.fx.GraphModule, fallback_ops: Sequence[str] = ()
     for node, plan in zip(randoms, plans):
         if plan == "dropout":
             drawn.append(_dropout_ahead(graph, node))
+            done["dropout mask"] += 1
+            continue
+        if plan in ("saved dropout", "replayed dropout"):
+            drawn.extend(_checkpointed_dropout_ahead(graph, node, plan.split()[0]))
             done["dropout mask"] += 1
             continue
         done[op_name(node)] += 1
@@ -256,3 +339,47 @@ def _dropout_ahead(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
         out.meta.update(_provenance(node))
     graph.erase_node(node)
     return mask
+
+
+def _checkpointed_dropout_ahead(graph: torch.fx.Graph, node: torch.fx.Node, kind: str) -> list[torch.fx.Node]:
+    """A checkpointed dropout (Note [Checkpointed dropouts drawn ahead]) as its draws (returned in order, still in
+    place: the saved state, then the mask) and ``input * mask * scale`` where its output was."""
+    state, out, mask = _wrapper_items(node, kind)  # type: ignore[misc]
+    args = list(node.args[1:] if kind == "saved" else node.args[2:])
+    x, p = args[0], float(args[1])
+    value = x.meta["val"]
+    layout = (tuple(value.shape), tuple(value.stride()), value.dtype, value.device, p)
+    meta = _provenance(node)
+    drawn: list[torch.fx.Node] = []
+    if kind == "saved":
+        if state is None:
+            with graph.inserting_before(node):
+                state = graph.call_function(save_rng_state, ())
+        else:
+            state.target, state.args, state.kwargs = save_rng_state, (), {}
+        state.meta.update(meta)
+        drawn.append(state)
+        draw, draw_args = dropout_mask, layout
+    else:
+        draw, draw_args = replayed_dropout_mask, (node.args[0], *layout)
+    if mask is None:
+        with graph.inserting_before(node):
+            mask = graph.call_function(draw, draw_args)
+        mask.meta["val"] = value.new_empty_strided(value.shape, value.stride(), dtype=torch.bool)
+    else:
+        mask.target, mask.args, mask.kwargs = draw, draw_args, {}
+    mask.meta.update(meta)
+    drawn.append(mask)
+    if out is not None:
+        with graph.inserting_before(out):
+            masked = graph.call_function(aten.mul.Tensor, (x, mask))
+        masked.meta.update(meta)
+        masked.meta["val"] = out.meta.get("val")
+        out.target, out.args, out.kwargs = aten.mul.Tensor, (masked, 1.0 / (1.0 - p)), {}
+        out.meta.update(meta)
+    result = next((u for u in node.users), None) if kind == "saved" else None
+    if result is not None and not result.users:
+        graph.erase_node(result)
+    if not node.users:
+        graph.erase_node(node)
+    return drawn
