@@ -333,3 +333,37 @@ def test_a_replicate_padded_convolution_keeps_its_backward_in_onnxruntime():
     torch.manual_seed(0)
     _one_part_per_graph_beside_eager(
         _ConvThen(nn.Conv2d(4, 4, 3, padding=2, padding_mode="replicate")), torch.randn(2, 3, 7, 6))
+
+
+def test_fake_quantization_runs_in_onnxruntime_bit_for_bit():
+    """Note [Fake quantization as PyTorch's kernel computes it]: quantization-aware training's fake quantization (per
+    tensor and per channel) had no translation and cut the graph; now the same values, bit for bit, and gradients."""
+
+    class QAT(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.register_buffer("scales", torch.rand(8, generator=torch.Generator().manual_seed(3)) * 0.2 + 0.01)
+            self.register_buffer("zeros", torch.arange(8, dtype=torch.int32) % 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = torch.fake_quantize_per_channel_affine(self.lin.weight, self.scales, self.zeros, 0, -128, 127)
+            h = nn.functional.linear(torch.fake_quantize_per_tensor_affine(x, 0.1234567, 3, 0, 255), w, self.lin.bias)
+            return torch.fake_quantize_per_tensor_affine(h, 0.05, 0, -128, 127)
+
+    torch.manual_seed(0)
+    eager = QAT()
+    om = ortlab.ORTModule(copy.deepcopy(eager))
+    x = torch.randn(16, 8) * 4
+    x[0] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 3.5, 0.0, 40.0]) * 0.1234567  # ties round to even; clamped
+    out, ref = om(x), eager(x)
+    assert torch.equal(out, ref)
+    (out * torch.linspace(0, 1, out.numel()).view_as(out)).sum().backward()
+    (ref * torch.linspace(0, 1, ref.numel()).view_as(ref)).sum().backward()
+    for p, q in zip(eager.parameters(), om.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
+    assert not om.report.fallbacks
+    from ortlab.capture.decompositions import fake_quantize_cachemask
+
+    with pytest.raises(RuntimeError, match="`zero_point` must be between `quant_min` and `quant_max`"):
+        fake_quantize_cachemask(x, 0.1, 300, 0, 255)  # eager's own check, where it would have raised

@@ -48,7 +48,8 @@ from ortlab.torchlib import overload, translated_ops
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
            "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast",
-           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "replication_pad_backward",
+           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "fake_quantize_cachemask", "fake_quantize_per_channel_cachemask",
+           "replication_pad_backward",
            "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
            "diagonal_scatter", "adaptive_avg_pool2d_backward"]
 
@@ -112,6 +113,8 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     for op in (aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
                aten.replication_pad3d_backward.default):
         table[op] = replication_pad_backward
+    table[aten.fake_quantize_per_tensor_affine_cachemask.default] = fake_quantize_cachemask
+    table[aten.fake_quantize_per_channel_affine_cachemask.default] = fake_quantize_per_channel_cachemask
     table[aten.mean.dim] = mean_of_nothing
     table[aten.mean.default] = mean_of_nothing
     table[torch.ops.prims.var.default] = var_of_nothing
@@ -618,6 +621,46 @@ def as_strided_scatter_contiguous(self: torch.Tensor, src: torch.Tensor, size: l
     if numel == self.numel():
         return flat.reshape(self.shape)
     return self.reshape(-1).slice_scatter(flat, 0, offset, offset + numel).reshape(self.shape)
+
+
+# Note [Fake quantization as PyTorch's kernel computes it]
+# ``fake_quantize_per_tensor_affine`` and ``..._per_channel_affine`` (quantization-aware training:
+# ``torch.ao.quantization``'s observers and FakeQuantize) have no ONNX translation, so each cut the graph
+# around it in PyTorch. PyTorch's CPU kernel computes ``q = zero_point + nearbyint(x * (1.0f / scale))``
+# in float32, the output ``(clamp(q, quant_min, quant_max) - zero_point) * scale`` and the mask
+# ``quant_min <= q <= quant_max`` (which the gradient is multiplied by); the same ops here, rounding half
+# to even as ``nearbyint`` does, give its values bit for bit. float32 inputs only; others keep the op.
+
+
+def fake_quantize_cachemask(self: torch.Tensor, scale: float, zero_point: int, quant_min: int,
+                            quant_max: int) -> object:
+    """``fake_quantize_per_tensor_affine_cachemask`` as math (Note [Fake quantization as PyTorch's kernel computes
+    it]); ``NotImplemented`` (the op) for inputs other than float32."""
+    if self.dtype != torch.float32:
+        return NotImplemented
+    torch._check(quant_min <= quant_max, lambda: "`quant_min` should be less than or equal to `quant_max`.")
+    torch._check(quant_min <= zero_point <= quant_max,
+                 lambda: "`zero_point` must be between `quant_min` and `quant_max`.")
+    inv_scale = 1.0 / torch.full((), scale, dtype=torch.float32)
+    q = torch.round(self * inv_scale) + float(zero_point)
+    out = (q.clamp(quant_min, quant_max) - float(zero_point)) * torch.full((), scale, dtype=torch.float32)
+    return out, (q >= quant_min) & (q <= quant_max)
+
+
+def fake_quantize_per_channel_cachemask(self: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
+                                        axis: int, quant_min: int, quant_max: int) -> object:
+    """``fake_quantize_per_channel_affine_cachemask`` as math (Note [Fake quantization as PyTorch's kernel computes
+    it]); ``NotImplemented`` (the op) for inputs other than float32."""
+    if self.dtype != torch.float32 or scale.dtype != torch.float32 or zero_point.dtype not in (torch.int32,
+                                                                                               torch.int64):
+        return NotImplemented  # (a float zero_point, and the checks of its range, are the op's)
+    torch._check(quant_min <= quant_max, lambda: "`quant_min` should be less than or equal to `quant_max`.")
+    shape = [1] * self.dim()
+    shape[axis] = -1
+    scale, zero = scale.reshape(shape), zero_point.reshape(shape).to(torch.float32)
+    q = torch.round(self * (1.0 / scale)) + zero
+    out = (q.clamp(quant_min, quant_max) - zero) * scale
+    return out, (q >= quant_min) & (q <= quant_max)
 
 
 # Note [Replication padding's backward as edge sums]
