@@ -632,15 +632,21 @@ def as_strided_scatter_contiguous(self: torch.Tensor, src: torch.Tensor, size: l
 # to even as ``nearbyint`` does, give its values bit for bit. float32 inputs only; others keep the op.
 
 
+def _check_quant_range(quant_min: int, quant_max: int) -> None:
+    """PyTorch's check of a fake quantization's range, with its message."""
+    if quant_min > quant_max:
+        raise RuntimeError("`quant_min` should be less than or equal to `quant_max`.")
+
+
 def fake_quantize_cachemask(self: torch.Tensor, scale: float, zero_point: int, quant_min: int,
                             quant_max: int) -> object:
     """``fake_quantize_per_tensor_affine_cachemask`` as math (Note [Fake quantization as PyTorch's kernel computes
     it]); ``NotImplemented`` (the op) for inputs other than float32."""
     if self.dtype != torch.float32:
         return NotImplemented
-    torch._check(quant_min <= quant_max, lambda: "`quant_min` should be less than or equal to `quant_max`.")
-    torch._check(quant_min <= zero_point <= quant_max,
-                 lambda: "`zero_point` must be between `quant_min` and `quant_max`.")
+    _check_quant_range(quant_min, quant_max)
+    if not quant_min <= zero_point <= quant_max:
+        raise RuntimeError("`zero_point` must be between `quant_min` and `quant_max`.")
     inv_scale = 1.0 / torch.full((), scale, dtype=torch.float32)
     q = torch.round(self * inv_scale) + float(zero_point)
     out = (q.clamp(quant_min, quant_max) - float(zero_point)) * torch.full((), scale, dtype=torch.float32)
@@ -654,7 +660,7 @@ def fake_quantize_per_channel_cachemask(self: torch.Tensor, scale: torch.Tensor,
     if self.dtype != torch.float32 or scale.dtype != torch.float32 or zero_point.dtype not in (torch.int32,
                                                                                                torch.int64):
         return NotImplemented  # (a float zero_point, and the checks of its range, are the op's)
-    torch._check(quant_min <= quant_max, lambda: "`quant_min` should be less than or equal to `quant_max`.")
+    _check_quant_range(quant_min, quant_max)
     shape = [1] * self.dim()
     shape[axis] = -1
     scale, zero = scale.reshape(shape), zero_point.reshape(shape).to(torch.float32)
