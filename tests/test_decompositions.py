@@ -367,3 +367,39 @@ def test_fake_quantization_runs_in_onnxruntime_bit_for_bit():
 
     with pytest.raises(RuntimeError, match="`zero_point` must be between `quant_min` and `quant_max`"):
         fake_quantize_cachemask(x, 0.1, 300, 0, 255)  # eager's own check, where it would have raised
+
+
+@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil_mode", "count_include_pad", "divisor"), [
+    (2, 2, 0, False, True, None), (3, 2, 1, True, False, None), ((1, 3, 2), (1, 2, 2), (0, 1, 1), False, True, None),
+    (3, 1, 1, False, True, 5), (2, 3, 0, True, True, None),
+])
+def test_average_pooling_3d_backward_matches_the_op(kernel, stride, padding, ceil_mode, count_include_pad, divisor):
+    """avg_pool3d_backward, as the 2-D one over three dims (Note [Average pooling's backward as repeats and shifted
+    sums]): against the op, windows that overlap, skip, pad and run past the input."""
+    from ortlab.capture.decompositions import avg_pool3d_backward
+
+    x = torch.randn(2, 3, 5, 6, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    out = nn.functional.avg_pool3d(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor)
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    k, s, p = ([v] * 3 if isinstance(v, int) else list(v) for v in (kernel, stride, padding))
+    args = (k, s, p, ceil_mode, count_include_pad, divisor)
+    torch.testing.assert_close(avg_pool3d_backward(grad, x, *args),
+                               torch.ops.aten.avg_pool3d_backward.default(grad, x, *args))
+
+
+def test_three_dimensional_average_pooling_keeps_its_backward_in_onnxruntime():
+    """avg_pool3d_backward and adaptive 3-D pooling (to a divisor of the input) had no translation: a video net's
+    pooling cut its backward, and its adaptive pooling its forward too, around PyTorch."""
+
+    class Video(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv3d(3, 4, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = nn.functional.avg_pool3d(torch.relu(self.conv(x)), (1, 2, 2))
+            h = nn.functional.adaptive_avg_pool3d(h, (2, 2, 1))
+            return (h * h.detach().sin()).sum()
+
+    torch.manual_seed(0)
+    _one_part_per_graph_beside_eager(Video(), torch.randn(2, 3, 4, 8, 6))

@@ -47,7 +47,8 @@ from ortlab.torchlib import overload, translated_ops
 
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
-           "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "copy_broadcast",
+           "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "avg_pool3d_backward",
+           "adaptive_avg_pool3d", "adaptive_avg_pool3d_backward", "copy_broadcast",
            "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "fake_quantize_cachemask", "fake_quantize_per_channel_cachemask",
            "replication_pad_backward",
            "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
@@ -103,6 +104,9 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.index_put.default] = index_put_accumulate
     table[aten.as_strided_scatter.default] = as_strided_scatter_contiguous
     table[aten.avg_pool2d_backward.default] = avg_pool2d_backward
+    table[aten.avg_pool3d_backward.default] = avg_pool3d_backward
+    table[aten._adaptive_avg_pool3d.default] = adaptive_avg_pool3d
+    table[aten._adaptive_avg_pool3d_backward.default] = adaptive_avg_pool3d_backward
     table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
     table[aten.copy.default] = copy_broadcast
     table[aten.mv.default] = mv_as_mm
@@ -755,25 +759,66 @@ def _pool_spread(grad: torch.Tensor, dim: int, n_in: int, kernel: int, stride: i
     return spread.narrow(dim, pad, n_in)
 
 
+def _avg_pool_backward(spatial: int, grad_output: torch.Tensor, self: torch.Tensor, kernel_size: list[int],
+                       stride: list[int], padding: list[int], count_include_pad: bool,
+                       divisor_override: int | None) -> object:
+    """``avg_pool{2,3}d_backward`` over the last ``spatial`` dims as repeats and shifted sums (Note [Average pooling's
+    backward as repeats and shifted sums]); ``NotImplemented`` (the op in PyTorch) for symbolic or empty sizes."""
+    if any(not isinstance(n, int) for n in (*grad_output.shape, *self.shape)) or self.numel() == 0:
+        return NotImplemented
+    kernel = list(kernel_size) * (spatial // len(kernel_size))
+    step = list(stride or kernel) * (spatial // len(stride or kernel))
+    pad = list(padding) * (spatial // len(padding))
+    sizes, outs = self.shape[-spatial:], grad_output.shape[-spatial:]
+    if divisor_override:
+        grad = grad_output / divisor_override
+    else:  # the window's count is the product of its count along each dim
+        divisor = None
+        for d in range(spatial):
+            counts = _pool_window_sizes(sizes[d], outs[d], kernel[d], step[d], pad[d], count_include_pad,
+                                        grad_output).reshape([-1] + [1] * (spatial - 1 - d))
+            divisor = counts if divisor is None else divisor * counts
+        grad = grad_output / divisor.to(grad_output.dtype)
+    for d in range(spatial):
+        grad = _pool_spread(grad, grad.dim() - spatial + d, sizes[d], kernel[d], step[d], pad[d])
+    return grad
+
+
 def avg_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: list[int], stride: list[int],
                         padding: list[int], ceil_mode: bool, count_include_pad: bool,
                         divisor_override: int | None) -> object:
     """``avg_pool2d_backward`` as repeats and shifted sums (Note [Average pooling's backward as repeats and shifted
     sums]); ``NotImplemented`` (the op in PyTorch) for symbolic or empty sizes."""
-    if any(not isinstance(n, int) for n in (*grad_output.shape, *self.shape)) or self.numel() == 0:
+    return _avg_pool_backward(2, grad_output, self, kernel_size, stride, padding, count_include_pad,
+                              divisor_override)
+
+
+def avg_pool3d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: list[int], stride: list[int],
+                        padding: list[int], ceil_mode: bool, count_include_pad: bool,
+                        divisor_override: int | None) -> object:
+    """``avg_pool3d_backward`` (video and volume nets' ``nn.AvgPool3d``), as the 2-D one over three dims."""
+    return _avg_pool_backward(3, grad_output, self, kernel_size, stride, padding, count_include_pad,
+                              divisor_override)
+
+
+def adaptive_avg_pool3d(self: torch.Tensor, output_size: list[int]) -> object:
+    """``_adaptive_avg_pool3d`` (no ONNX translation) where the output divides the input: ``avg_pool3d`` with the
+    quotients as kernel and stride; ``NotImplemented`` (the op) otherwise."""
+    sizes, out = self.shape[-3:], list(output_size)
+    if any(not isinstance(n, int) or n == 0 for n in (*sizes, *out)) or any(n % o for n, o in zip(sizes, out)):
         return NotImplemented
-    kernel = list(kernel_size) * (2 // len(kernel_size))
-    step = list(stride or kernel) * (2 // len(stride or kernel))
-    pad = list(padding) * (2 // len(padding))
-    (h, w), (ho, wo) = self.shape[-2:], grad_output.shape[-2:]
-    if divisor_override:
-        grad = grad_output / divisor_override
-    else:
-        rows = _pool_window_sizes(h, ho, kernel[0], step[0], pad[0], count_include_pad, grad_output)
-        cols = _pool_window_sizes(w, wo, kernel[1], step[1], pad[1], count_include_pad, grad_output)
-        grad = grad_output / (rows[:, None] * cols[None, :]).to(grad_output.dtype)
-    grad = _pool_spread(grad, grad.dim() - 2, h, kernel[0], step[0], pad[0])
-    return _pool_spread(grad, grad.dim() - 1, w, kernel[1], step[1], pad[1])
+    kernel = [n // o for n, o in zip(sizes, out)]
+    return torch.nn.functional.avg_pool3d(self, kernel, kernel)
+
+
+def adaptive_avg_pool3d_backward(grad_output: torch.Tensor, self: torch.Tensor) -> object:
+    """``_adaptive_avg_pool3d_backward`` where the output divides the input: average pooling's gradient;
+    ``NotImplemented`` (the op) otherwise."""
+    sizes, out = self.shape[-3:], grad_output.shape[-3:]
+    if any(not isinstance(n, int) or n == 0 for n in (*sizes, *out)) or any(n % o for n, o in zip(sizes, out)):
+        return NotImplemented
+    kernel = [n // o for n, o in zip(sizes, out)]
+    return avg_pool3d_backward(grad_output, self, kernel, kernel, [0, 0, 0], False, True, None)
 
 
 def _adaptive_windows(n_in: int, n_out: int, like: torch.Tensor) -> torch.Tensor:
