@@ -388,8 +388,9 @@ def test_average_pooling_3d_backward_matches_the_op(kernel, stride, padding, cei
 
 
 def test_three_dimensional_average_pooling_keeps_its_backward_in_onnxruntime():
-    """avg_pool3d_backward and adaptive 3-D pooling (to a divisor of the input) had no translation: a video net's
-    pooling cut its backward, and its adaptive pooling its forward too, around PyTorch."""
+    """avg_pool3d_backward, max_pool3d_with_indices_backward and adaptive 3-D pooling (to a divisor of the input) had
+    no translation: a video net's poolings cut its backward, and its adaptive pooling its forward too, around
+    PyTorch."""
 
     class Video(nn.Module):
         def __init__(self) -> None:
@@ -398,8 +399,26 @@ def test_three_dimensional_average_pooling_keeps_its_backward_in_onnxruntime():
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             h = nn.functional.avg_pool3d(torch.relu(self.conv(x)), (1, 2, 2))
-            h = nn.functional.adaptive_avg_pool3d(h, (2, 2, 1))
+            h = nn.functional.max_pool3d(h, 2, stride=1, padding=1)  # overlapping windows: repeated indices
+            h = nn.functional.adaptive_avg_pool3d(h, (5, 5, 2))
             return (h * h.detach().sin()).sum()
 
     torch.manual_seed(0)
     _one_part_per_graph_beside_eager(Video(), torch.randn(2, 3, 4, 8, 6))
+
+
+def test_max_pooling_3d_backward_matches_the_op():
+    """max_pool3d_with_indices_backward as a scatter-add at the indices: against the op, ties and overlaps included."""
+    import itertools
+
+    from ortlab.capture.decompositions import max_pool3d_with_indices_backward
+
+    gen = torch.Generator().manual_seed(0)
+    for k, s, p, d, ceil in itertools.product([2, 3], [1, 2], [0, 1], [1, 2], [False, True]):
+        x = torch.randn(2, 3, 6, 7, 5, dtype=torch.float64, generator=gen)
+        x[0, 0, :2, :2, :2] = 1.0  # a tie
+        out, idx = nn.functional.max_pool3d(x, k, s, p, d, ceil, return_indices=True)
+        grad = torch.randn(out.shape, dtype=torch.float64, generator=gen)
+        args = ([k] * 3, [s] * 3, [p] * 3, [d] * 3, ceil, idx)
+        torch.testing.assert_close(max_pool3d_with_indices_backward(grad, x, *args),
+                                   torch.ops.aten.max_pool3d_with_indices_backward.default(grad, x, *args))

@@ -48,7 +48,8 @@ from ortlab.torchlib import overload, translated_ops
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
            "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "avg_pool3d_backward",
-           "adaptive_avg_pool3d", "adaptive_avg_pool3d_backward", "copy_broadcast",
+           "adaptive_avg_pool3d", "adaptive_avg_pool3d_backward", "max_pool3d_with_indices_backward",
+           "copy_broadcast",
            "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "fake_quantize_cachemask", "fake_quantize_per_channel_cachemask",
            "replication_pad_backward",
            "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
@@ -107,6 +108,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.avg_pool3d_backward.default] = avg_pool3d_backward
     table[aten._adaptive_avg_pool3d.default] = adaptive_avg_pool3d
     table[aten._adaptive_avg_pool3d_backward.default] = adaptive_avg_pool3d_backward
+    table[aten.max_pool3d_with_indices_backward.default] = max_pool3d_with_indices_backward
     table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
     table[aten.copy.default] = copy_broadcast
     table[aten.mv.default] = mv_as_mm
@@ -799,6 +801,21 @@ def avg_pool3d_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_si
     """``avg_pool3d_backward`` (video and volume nets' ``nn.AvgPool3d``), as the 2-D one over three dims."""
     return _avg_pool_backward(3, grad_output, self, kernel_size, stride, padding, count_include_pad,
                               divisor_override)
+
+
+def max_pool3d_with_indices_backward(grad_output: torch.Tensor, self: torch.Tensor, kernel_size: list[int],
+                                     stride: list[int], padding: list[int], dilation: list[int], ceil_mode: bool,
+                                     indices: torch.Tensor) -> object:
+    """``max_pool3d_with_indices_backward`` (no translation; torch decomposes only the 2-D one) as torch's 2-D
+    decomposition does it: each output's gradient added at its index, flat over the volume of its plane
+    (ScatterElements(add), which adds repeated indices in turn). ``NotImplemented`` (the op) for symbolic or empty
+    sizes and low-precision floats (whose sums PyTorch's kernel keeps in float32)."""
+    if (any(not isinstance(n, int) for n in (*grad_output.shape, *self.shape)) or self.numel() == 0
+            or grad_output.numel() == 0 or self.dtype not in (torch.float32, torch.float64)):
+        return NotImplemented
+    lead = list(self.shape[:-3])
+    flat = grad_output.new_zeros(*lead, math.prod(self.shape[-3:]))
+    return flat.scatter_add(-1, indices.reshape(*lead, -1), grad_output.reshape(*lead, -1)).reshape(self.shape)
 
 
 def adaptive_avg_pool3d(self: torch.Tensor, output_size: list[int]) -> object:
