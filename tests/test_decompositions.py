@@ -422,3 +422,28 @@ def test_max_pooling_3d_backward_matches_the_op():
         args = ([k] * 3, [s] * 3, [p] * 3, [d] * 3, ceil, idx)
         torch.testing.assert_close(max_pool3d_with_indices_backward(grad, x, *args),
                                    torch.ops.aten.max_pool3d_with_indices_backward.default(grad, x, *args))
+
+
+def test_bilinear_layers_run_in_onnxruntime():
+    """``_trilinear`` (nn.Bilinear) had no translation: it and its two gradients ran in PyTorch between parts; now
+    the einsum it is, checked against the op on the forward's and the gradients' calls."""
+    from ortlab.capture.decompositions import trilinear_as_einsum
+
+    gen = torch.Generator().manual_seed(0)
+    x1, x2, w, g = (torch.randn(*shape, dtype=torch.float64, generator=gen) for shape in ((5, 3), (5, 4), (2, 3, 4),
+                                                                                           (5, 2)))
+    for args in ((x1, w, x2, [1, 3], [0], [1, 2], [2, 3]), (g, w, x2, [2, 3], [0], [1, 2], [1, 3]),
+                 (x1, g, x2, [1, 3], [2, 3], [1, 2], [0])):
+        torch.testing.assert_close(trilinear_as_einsum(*args), torch.ops.aten._trilinear.default(*args))
+
+    class Pairs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bilinear = nn.Bilinear(5, 5, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.bilinear(x, x.flip(1).tanh())  # [batch, tokens, features]: leading dims broadcast
+            return (h * h.detach().sin()).sum()
+
+    torch.manual_seed(0)
+    _one_part_per_graph_beside_eager(Pairs(), torch.randn(2, 3, 5))

@@ -49,8 +49,9 @@ __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_l
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
            "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "avg_pool3d_backward",
            "adaptive_avg_pool3d", "adaptive_avg_pool3d_backward", "max_pool3d_with_indices_backward",
-           "copy_broadcast",
-           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "fake_quantize_cachemask", "fake_quantize_per_channel_cachemask",
+           "trilinear_as_einsum", "copy_broadcast",
+           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "fake_quantize_cachemask",
+           "fake_quantize_per_channel_cachemask",
            "replication_pad_backward",
            "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
            "diagonal_scatter", "adaptive_avg_pool2d_backward"]
@@ -109,6 +110,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten._adaptive_avg_pool3d.default] = adaptive_avg_pool3d
     table[aten._adaptive_avg_pool3d_backward.default] = adaptive_avg_pool3d_backward
     table[aten.max_pool3d_with_indices_backward.default] = max_pool3d_with_indices_backward
+    table[aten._trilinear.default] = trilinear_as_einsum
     table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
     table[aten.copy.default] = copy_broadcast
     table[aten.mv.default] = mv_as_mm
@@ -816,6 +818,20 @@ def max_pool3d_with_indices_backward(grad_output: torch.Tensor, self: torch.Tens
     lead = list(self.shape[:-3])
     flat = grad_output.new_zeros(*lead, math.prod(self.shape[-3:]))
     return flat.scatter_add(-1, indices.reshape(*lead, -1), grad_output.reshape(*lead, -1)).reshape(self.shape)
+
+
+def trilinear_as_einsum(i1: torch.Tensor, i2: torch.Tensor, i3: torch.Tensor, expand1: list[int], expand2: list[int],
+                        expand3: list[int], sumdim: list[int], unroll_dim: int = 1) -> object:
+    """``_trilinear`` (``nn.Bilinear``, ``F.bilinear``; no ONNX translation, so it and its two gradients ran in
+    PyTorch) as the einsum it is: each input laid over the common dims but its ``expand`` ones, the product summed
+    over ``sumdim``. torch's einsum decomposes into the same batched products PyTorch's kernel runs."""
+    rank = i1.dim() + len(expand1)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    if rank > len(letters):
+        return NotImplemented
+    subs = ["".join(letters[d] for d in range(rank) if d not in expand) for expand in (expand1, expand2, expand3)]
+    out = "".join(letters[d] for d in range(rank) if d not in sumdim)
+    return torch.einsum(f"{subs[0]},{subs[1]},{subs[2]}->{out}", i1, i2, i3)
 
 
 def adaptive_avg_pool3d(self: torch.Tensor, output_size: list[int]) -> object:
