@@ -49,10 +49,8 @@ __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_l
            "flash_attention_for_cpu", "flash_attention_for_cpu_backward", "native_group_norm_exact",
            "index_put_accumulate", "as_strided_scatter_contiguous", "avg_pool2d_backward", "avg_pool3d_backward",
            "adaptive_avg_pool3d", "adaptive_avg_pool3d_backward", "max_pool3d_with_indices_backward",
-           "trilinear_as_einsum", "copy_broadcast",
-           "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign", "fake_quantize_cachemask",
-           "fake_quantize_per_channel_cachemask",
-           "replication_pad_backward",
+           "trilinear_as_einsum", "copy_broadcast", "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign",
+           "fake_quantize_cachemask", "fake_quantize_per_channel_cachemask", "replication_pad_backward",
            "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
            "diagonal_scatter", "adaptive_avg_pool2d_backward"]
 
@@ -117,6 +115,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.addmv.default] = addmv_as_mm
     table[aten.scatter_reduce.two] = scatter_reduce_mean
     table[aten.copysign.Tensor] = copysign
+    table[aten.copysign.Scalar] = copysign
     table[aten.slice_scatter.default] = slice_scatter_nothing
     for op in (aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
                aten.replication_pad3d_backward.default):
@@ -126,7 +125,6 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.mean.dim] = mean_of_nothing
     table[aten.mean.default] = mean_of_nothing
     table[torch.ops.prims.var.default] = var_of_nothing
-    table[aten.copysign.Scalar] = copysign
     table[aten.diagonal_scatter.default] = diagonal_scatter
     table[aten._unsafe_index_put.default] = index_put_accumulate
     table[aten.native_layer_norm.default] = native_layer_norm_float64
@@ -640,6 +638,13 @@ def as_strided_scatter_contiguous(self: torch.Tensor, src: torch.Tensor, size: l
 # to even as ``nearbyint`` does, give its values bit for bit. float32 inputs only; others keep the op.
 
 
+def _fake_quantized(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | float, quant_min: int,
+                    quant_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output and mask of PyTorch's fake quantization kernel, ``scale`` a float32 tensor that broadcasts to ``x``."""
+    q = torch.round(x * (1.0 / scale)) + zero
+    return (q.clamp(quant_min, quant_max) - zero) * scale, (q >= quant_min) & (q <= quant_max)
+
+
 def _check_quant_range(quant_min: int, quant_max: int) -> None:
     """PyTorch's check of a fake quantization's range, with its message."""
     if quant_min > quant_max:
@@ -655,10 +660,7 @@ def fake_quantize_cachemask(self: torch.Tensor, scale: float, zero_point: int, q
     _check_quant_range(quant_min, quant_max)
     if not quant_min <= zero_point <= quant_max:
         raise RuntimeError("`zero_point` must be between `quant_min` and `quant_max`.")
-    inv_scale = 1.0 / torch.full((), scale, dtype=torch.float32)
-    q = torch.round(self * inv_scale) + float(zero_point)
-    out = (q.clamp(quant_min, quant_max) - float(zero_point)) * torch.full((), scale, dtype=torch.float32)
-    return out, (q >= quant_min) & (q <= quant_max)
+    return _fake_quantized(self, torch.full((), scale, dtype=torch.float32), float(zero_point), quant_min, quant_max)
 
 
 def fake_quantize_per_channel_cachemask(self: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor,
@@ -671,10 +673,8 @@ def fake_quantize_per_channel_cachemask(self: torch.Tensor, scale: torch.Tensor,
     _check_quant_range(quant_min, quant_max)
     shape = [1] * self.dim()
     shape[axis] = -1
-    scale, zero = scale.reshape(shape), zero_point.reshape(shape).to(torch.float32)
-    q = torch.round(self * (1.0 / scale)) + zero
-    out = (q.clamp(quant_min, quant_max) - zero) * scale
-    return out, (q >= quant_min) & (q <= quant_max)
+    return _fake_quantized(self, scale.reshape(shape), zero_point.reshape(shape).to(torch.float32), quant_min,
+                           quant_max)
 
 
 # Note [Replication padding's backward as edge sums]
@@ -698,15 +698,12 @@ def replication_pad_backward(grad_output: torch.Tensor, self: torch.Tensor, padd
         if n == 0 or (left == 0 and right == 0):
             grad = middle
             continue
-        edges = []
+        later = [0, 0] * (grad.dim() - 1 - d)  # F.pad's (before, after) pairs for the dims past ``d``
         for size, start, at in ((left, 0, 0), (right, left + n, n - 1)):
-            if size:
+            if size:  # the pad's sum, laid on the edge element (zeros elsewhere along ``d``)
                 total = grad.narrow(d, start, size).sum(d, keepdim=True)
-                shape = list(total.shape)
-                before, after = shape.copy(), shape.copy()
-                before[d], after[d] = at, n - 1 - at
-                edges.append(torch.cat([total.new_zeros(before), total, total.new_zeros(after)], d))
-        grad = middle + sum(edges[1:], edges[0])
+                middle = middle + torch.nn.functional.pad(total, [*later, at, n - 1 - at])
+        grad = middle
     return grad
 
 

@@ -235,23 +235,15 @@ replayed_dropout_mask._ortlab_random = HOISTED_REASON  # type: ignore[attr-defin
 def _wrapper_items(node: torch.fx.Node, kind: str) -> tuple | None:
     """(state item or None, out item or None, mask item or None) of a wrapper whose users are only these items."""
     items = _getitems(node)
-    if items is None:
+    if items is None or set(items) - {0, 1}:
         return None
-    state = None
-    result = node
-    if kind == "saved":
-        if set(items) - {0, 1}:
-            return None
-        state, result = items.get(0), items.get(1)
-        if result is None:
-            return state, None, None
-        inner = _getitems(result)
-        if inner is None or set(inner) - {0, 1}:
-            return None
-        return state, inner.get(0), inner.get(1)
-    if set(items) - {0, 1}:
+    if kind == "replayed":  # (dropout's output, mask)
+        return None, items.get(0), items.get(1)
+    state, result = items.get(0), items.get(1)  # (state, (dropout's output, mask))
+    inner = _getitems(result) if result is not None else {}
+    if inner is None or set(inner) - {0, 1}:
         return None
-    return None, items.get(0), items.get(1)
+    return state, inner.get(0), inner.get(1)
 
 
 def _plan(node: torch.fx.Node) -> str | None:
@@ -329,16 +321,21 @@ def _dropout_ahead(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
     else:  # out[1] becomes the draw, under the name eager's graph gave the mask
         mask.target, mask.args, mask.kwargs = dropout_mask, args, {}
     mask.meta.update(_provenance(node))
-    out = items.get(0)
-    if out is not None:  # out[0] becomes input * mask * scale, as eager's kernel computes it
-        with graph.inserting_before(out):
-            masked = graph.call_function(aten.mul.Tensor, (node.args[0], mask))
-        masked.meta.update(_provenance(node))
-        masked.meta["val"] = out.meta.get("val")
-        out.target, out.args, out.kwargs = aten.mul.Tensor, (masked, 1.0 / (1.0 - p)), {}  # p < 1 here
-        out.meta.update(_provenance(node))
+    if items.get(0) is not None:
+        _masked_and_scaled(graph, items[0], node.args[0], mask, p, _provenance(node))
     graph.erase_node(node)
     return mask
+
+
+def _masked_and_scaled(graph: torch.fx.Graph, out: torch.fx.Node, x: torch.fx.Node, mask: torch.fx.Node, p: float,
+                       meta: dict) -> None:
+    """A dropout's output node ``out`` rewritten as ``x * mask * (1 / (1 - p))``, as eager's kernel computes it."""
+    with graph.inserting_before(out):
+        masked = graph.call_function(aten.mul.Tensor, (x, mask))
+    masked.meta.update(meta)
+    masked.meta["val"] = out.meta.get("val")
+    out.target, out.args, out.kwargs = aten.mul.Tensor, (masked, 1.0 / (1.0 - p)), {}  # p < 1 here
+    out.meta.update(meta)
 
 
 def _checkpointed_dropout_ahead(graph: torch.fx.Graph, node: torch.fx.Node, kind: str) -> list[torch.fx.Node]:
@@ -371,12 +368,7 @@ def _checkpointed_dropout_ahead(graph: torch.fx.Graph, node: torch.fx.Node, kind
     mask.meta.update(meta)
     drawn.append(mask)
     if out is not None:
-        with graph.inserting_before(out):
-            masked = graph.call_function(aten.mul.Tensor, (x, mask))
-        masked.meta.update(meta)
-        masked.meta["val"] = out.meta.get("val")
-        out.target, out.args, out.kwargs = aten.mul.Tensor, (masked, 1.0 / (1.0 - p)), {}
-        out.meta.update(meta)
+        _masked_and_scaled(graph, out, x, mask, p, meta)
     result = next((u for u in node.users), None) if kind == "saved" else None
     if result is not None and not result.users:
         graph.erase_node(result)
