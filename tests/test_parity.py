@@ -1297,10 +1297,12 @@ def test_multilabel_margin_loss_matches_eager(reduction):
     assert_ran_in_ort(om)
 
 
-@pytest.mark.parametrize("op", ["rfft", "polar"])
+@pytest.mark.parametrize("op", ["rfft", "polar", "polar_as_real"])
 def test_complex_values_cross_between_onnxruntime_and_pytorch(op):
     """Note [Complex values cross as float pairs]: a forward in onnxruntime saving complex values for a backward
-    in PyTorch handed them over as float pairs, and the backward failed on their shape."""
+    in PyTorch handed them over as float pairs, and the backward failed on their shape. ``polar_as_real``
+    returns ``view_as_real`` of the complex value the backward saves: one ONNX value for both, and the
+    saved one came back as the pairs."""
 
     class Spectral(nn.Module):
         def __init__(self) -> None:
@@ -1311,6 +1313,8 @@ def test_complex_values_cross_between_onnxruntime_and_pytorch(op):
             h = self.lin(x)
             if op == "rfft":
                 return torch.fft.rfft(h, dim=-1).abs().sum()
+            if op == "polar_as_real":
+                return torch.view_as_real(torch.polar(h.abs() + 0.1, h))
             z = torch.polar(h.abs() + 0.1, h) * torch.complex(h, h.flip(1))
             return torch.view_as_real(z).square().sum()
 

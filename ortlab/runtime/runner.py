@@ -69,8 +69,10 @@ def _picks(kinds: list[str | None], dtypes: list[torch.dtype | None], sources: l
     for kind, dtype, source in zip(kinds, dtypes, sources):
         if kind is None:
             picks.append((2, 0))
+        elif dtype is not None and dtype.is_complex:  # Note [Complex values cross as float pairs]
+            return None
         elif source is None:
-            if kind != "tensor" or dtype == torch.bool or (dtype is not None and dtype.is_complex):
+            if kind != "tensor" or dtype == torch.bool:
                 return None
             picks.append((0, produced))
             produced += 1
@@ -90,7 +92,18 @@ def _picks(kinds: list[str | None], dtypes: list[torch.dtype | None], sources: l
 # a backward that runs in PyTorch, a complex op between two parts) the runner hands onnxruntime
 # ``view_as_real`` of it and PyTorch ``view_as_complex`` of what comes back: PyTorch's side had
 # been given the float pairs as they were, and failed on their shape (``rfft(x).abs()`` could
-# not train).
+# not train). ``view_as_real`` and ``view_as_complex`` are no ops in that form, so a complex
+# value and its float view are one ONNX value, returned once (an output repeating another, or
+# an input): each FX output gets its own dtype's form of it. ``torch.view_as_real(torch.polar(r,
+# theta))`` returned the pairs for the complex ``polar`` the backward saves, and the backward
+# failed on their shape.
+
+
+def _as_complex_or_not(t: object, dtype: torch.dtype | None) -> object:
+    """``t`` in ``dtype``'s form: complex, or its float pairs (Note [Complex values cross as float pairs])."""
+    if not isinstance(t, torch.Tensor) or dtype is None or t.is_complex() == dtype.is_complex:
+        return t
+    return torch.view_as_complex(t) if dtype.is_complex else torch.view_as_real(t)
 
 
 def give_back_freed_heap() -> None:
@@ -378,7 +391,7 @@ class OrtRunner:
                 continue
             if source is not None:
                 where, index = source
-                result.append(args[index] if where == "input" else result[index])
+                result.append(_as_complex_or_not(args[index] if where == "input" else result[index], dtype))
                 continue
             t = next(produced)
             if kind == "tensor" and dtype is not None and dtype.is_complex and not t.is_complex():
