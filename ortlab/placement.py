@@ -114,11 +114,31 @@ def _inexact_in_float32(value: object) -> bool:
     return isinstance(value, float) and not math.isnan(value) and float(torch.tensor(value, dtype=torch.float32)) != value
 
 
+# Ops whose translations hold constants of their own in float32 (1/6, selu's alpha, pi, pi/180, ln 2,
+# ln 10) or compute in float32 (torchlib's celu casts to float32 for ONNX's Celu): in float64, sinc was
+# off by 2e-6 relative and celu by 3e-7, deg2rad, log2 and log10 by 1e-8.
+_FLOAT64_CONSTANTS = ("aten.selu", "aten.hardsigmoid", "aten.hardswish", "aten.celu", "aten.sinc",
+                      "aten.special_sinc", "aten.deg2rad", "aten.rad2deg", "aten.log2", "aten.log10")
+# p-norms, with where their p is (argument position, keyword, default): torchlib's
+# ``sum(|x|^p)^(1/p)`` holds 1/p as a float32 constant (F.normalize(p=3) and torch.dist(p=1.5) in
+# float64 were off by 1e-7).
+_P_NORMS = {"aten.linalg_vector_norm": (1, "ord"), "aten.norm": (1, "p"), "aten.dist": (2, "p"),
+            "aten.renorm": (1, "p")}
+
+
+def _inexact_p_norm(node: torch.fx.Node, where: tuple[int, str]) -> bool:
+    position, keyword = where
+    p = node.args[position] if len(node.args) > position else node.kwargs.get(keyword, 2)
+    if p is None or not isinstance(p, (int, float)) or p in (0, 1, 2) or math.isinf(p) or math.isnan(p):
+        return False  # ReduceL1, ReduceL2, counts, maxima: no constant
+    return _inexact_in_float32(float(p)) or _inexact_in_float32(1 / p)
+
+
 def _float64_with_numbers(node: torch.fx.Node) -> bool:
     """A float64 result the translation would compute with float32 numbers.
 
-    Numbers float32 holds exactly (``0.0``, ``-inf``, ``0.5``) lose nothing; ``selu``,
-    ``hardsigmoid`` and ``hardswish`` carry constants of their own (1/6, selu's alpha).
+    Numbers float32 holds exactly (``0.0``, ``-inf``, ``0.5``) lose nothing; the ops of
+    ``_FLOAT64_CONSTANTS`` carry constants of their own, and p-norms hold ``1/p``.
     """
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
@@ -126,7 +146,9 @@ def _float64_with_numbers(node: torch.fx.Node) -> bool:
     if not isinstance(val, torch.Tensor) or val.dtype != torch.float64:
         return False
     name = op_name(node)
-    if name in ("aten.selu", "aten.hardsigmoid", "aten.hardswish"):
+    if name in _FLOAT64_CONSTANTS:
+        return True
+    if name in _P_NORMS and _inexact_p_norm(node, _P_NORMS[name]):
         return True
     if name in ("aten.add", "aten.sub"):  # exact unless scaled by alpha
         return _inexact_in_float32(node.kwargs.get("alpha"))
@@ -141,9 +163,12 @@ _FLOAT32_NUMBERS = ("torchlib's ONNX form holds this op's Python numbers in floa
 # float64; the others take ``ortlab.torchlib.translations.scalar_tensor``'s exact constants).
 _FLOAT64_INEXACT = (
     "aten.full", "aten.full_like", "aten.fill", "aten.masked_fill", "aten.pow", "aten.leaky_relu", "aten.elu",
-    "aten.celu", "aten.selu", "aten.hardtanh", "aten.softplus", "aten.hardsigmoid", "aten.hardswish",
+    "aten.hardtanh", "aten.softplus",
     "aten.threshold", "aten.addcmul", "aten.addcdiv", "aten.lerp", "aten.arange", "aten.linspace", "aten.add",
     "aten.sub", "aten.rrelu_with_noise",
+    # Gemm's alpha and beta are float attributes: addmm(beta=0.3) in float64 was off by 7e-7
+    "aten.addmm", "aten.baddbmm", "aten.addbmm", "aten.addmv", "aten.addr",
+    *_FLOAT64_CONSTANTS, *_P_NORMS,
 )
 
 # Translations that exist but give wrong results in onnxruntime: (op, predicate, reason).

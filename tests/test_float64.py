@@ -42,6 +42,16 @@ CASES = {
     "layer_norm": lambda x: F.layer_norm(x, (6,), eps=1e-5 * C),
     "group_norm": lambda x: F.group_norm(x.view(3, 6, 1) * 2, 2).view(3, 6),
     "smooth_l1": lambda x: F.smooth_l1_loss(x, x * 0, beta=C),
+    # constants of the translation's own, or float32 inside it
+    "celu": F.celu,
+    "sinc": torch.sinc,
+    "deg2rad": torch.deg2rad,
+    "log2": lambda x: torch.log2(x.abs()),
+    "log10": lambda x: torch.log10(x.abs()),
+    "norm_p3": lambda x: torch.linalg.vector_norm(x, 3, -1),
+    "normalize_p3": lambda x: F.normalize(x, p=3),
+    "dist": lambda x: torch.dist(x, x.flip(0), p=1.5),
+    "addmm": lambda x: torch.addmm(x[:, :3], x, x.T, beta=C, alpha=1.3),
 }
 
 
