@@ -447,3 +447,37 @@ def test_bilinear_layers_run_in_onnxruntime():
 
     torch.manual_seed(0)
     _one_part_per_graph_beside_eager(Pairs(), torch.randn(2, 3, 5))
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d_last_dim"])
+def test_weight_norm_backward_runs_in_onnxruntime(kind):
+    """``_weight_norm_interface_backward`` (weight normalization's gradient; Wav2Vec2's positional convolution,
+    vocoders) had no translation and cut the backward around PyTorch; now the kernel's math, checked against the op
+    on the first and last dims in float32 and float64."""
+    from ortlab.capture.decompositions import weight_norm_interface_backward
+
+    gen = torch.Generator().manual_seed(0)
+    for shape, dim in (((6, 8), 0), ((6, 8), 1), ((4, 3, 5), 0), ((4, 3, 5), 2)):
+        for dtype in (torch.float32, torch.float64):
+            v = torch.randn(shape, dtype=dtype, generator=gen)
+            g = torch.randn([n if d == dim else 1 for d, n in enumerate(shape)], dtype=dtype, generator=gen)
+            w, norms = torch.ops.aten._weight_norm_interface(v, g, dim)
+            dw = torch.randn(w.shape, dtype=dtype, generator=gen)
+            expected = torch.ops.aten._weight_norm_interface_backward(dw, v, g, norms, dim)
+            for got, ref in zip(weight_norm_interface_backward(dw, v, g, norms, dim), expected):
+                torch.testing.assert_close(got, ref)
+
+    class Normed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            if kind == "linear":
+                self.layer = nn.utils.parametrizations.weight_norm(nn.Linear(5, 6))
+            else:  # Wav2Vec2's positional embedding: weight_norm(conv, dim=2)
+                self.layer = nn.utils.parametrizations.weight_norm(nn.Conv1d(5, 6, 3, padding=1), dim=2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.layer(x if kind == "linear" else x.transpose(1, 2))
+            return (h * h.detach().sin()).sum()
+
+    torch.manual_seed(0)
+    _one_part_per_graph_beside_eager(Normed(), torch.randn(2, 4, 5))

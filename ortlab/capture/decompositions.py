@@ -52,7 +52,7 @@ __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_l
            "trilinear_as_einsum", "copy_broadcast", "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign",
            "fake_quantize_cachemask", "fake_quantize_per_channel_cachemask", "replication_pad_backward",
            "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
-           "diagonal_scatter", "adaptive_avg_pool2d_backward"]
+           "diagonal_scatter", "adaptive_avg_pool2d_backward", "weight_norm_interface_backward"]
 
 aten = torch.ops.aten
 
@@ -109,6 +109,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten._adaptive_avg_pool3d_backward.default] = adaptive_avg_pool3d_backward
     table[aten.max_pool3d_with_indices_backward.default] = max_pool3d_with_indices_backward
     table[aten._trilinear.default] = trilinear_as_einsum
+    table[aten._weight_norm_interface_backward.default] = weight_norm_interface_backward
     table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
     table[aten.copy.default] = copy_broadcast
     table[aten.mv.default] = mv_as_mm
@@ -829,6 +830,23 @@ def trilinear_as_einsum(i1: torch.Tensor, i2: torch.Tensor, i3: torch.Tensor, ex
     subs = ["".join(letters[d] for d in range(rank) if d not in expand) for expand in (expand1, expand2, expand3)]
     out = "".join(letters[d] for d in range(rank) if d not in sumdim)
     return torch.einsum(f"{subs[0]},{subs[1]},{subs[2]}->{out}", i1, i2, i3)
+
+
+def weight_norm_interface_backward(grad_w: torch.Tensor, saved_v: torch.Tensor, saved_g: torch.Tensor,
+                                   saved_norms: torch.Tensor, dim: int) -> object:
+    """``_weight_norm_interface_backward`` (weight normalization, ``w = g * v / ||v||``; no ONNX translation, so
+    the weight's gradient cut the graph around PyTorch) as PyTorch's kernel computes it, in the norms' dtype
+    (float32 for half weights): with ``a = sum(dw * v)`` over every dim but ``dim``, ``dg = a / ||v||`` and
+    ``dv = g / ||v|| * (dw - v * a / ||v||^2)``."""
+    dim = dim % saved_v.dim() if saved_v.dim() else 0
+    dims = [d for d in range(saved_v.dim()) if d != dim]
+    acc = saved_norms.dtype
+    v, g, dw = saved_v.to(acc), saved_g.to(acc), grad_w.to(acc)
+    norms = saved_norms.reshape(g.shape)
+    a = (dw * v).sum(dims, keepdim=True) if dims else dw * v
+    grad_g = (a / norms).to(saved_g.dtype)
+    grad_v = (g / norms * (dw - v * (a / (norms * norms)))).to(saved_v.dtype)
+    return grad_v, grad_g
 
 
 def adaptive_avg_pool3d(self: torch.Tensor, output_size: list[int]) -> object:
