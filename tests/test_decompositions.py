@@ -481,3 +481,28 @@ def test_weight_norm_backward_runs_in_onnxruntime(kind):
 
     torch.manual_seed(0)
     _one_part_per_graph_beside_eager(Normed(), torch.randn(2, 4, 5))
+
+
+def test_adaptive_max_pooling_backward_runs_in_onnxruntime():
+    """``adaptive_max_pool{2,3}d_backward`` had no translation and cut the backward around PyTorch; now a scatter-add
+    at the indices, bit for bit the op's on ties, overlapping windows (7 -> 4, 5 -> 7) and unbatched inputs."""
+    from ortlab.capture.decompositions import adaptive_max_pool2d_backward, adaptive_max_pool3d_backward
+
+    aten = torch.ops.aten
+    gen = torch.Generator().manual_seed(0)
+    for shape, out in (((2, 3, 8, 8), (3, 3)), ((2, 3, 7, 5), (4, 2)), ((3, 7, 5), (4, 3)), ((2, 3, 5, 5), (7, 7)),
+                       ((2, 3, 9, 9), (1, 1))):
+        x = torch.randint(0, 3, shape, generator=gen).to(torch.float32)  # many ties
+        y, idx = aten.adaptive_max_pool2d(x, out)
+        grad = torch.randn(y.shape, generator=gen)
+        torch.testing.assert_close(adaptive_max_pool2d_backward(grad, x, idx),
+                                   aten.adaptive_max_pool2d_backward(grad, x, idx), rtol=0, atol=0)
+    for shape, out in (((2, 3, 4, 8, 8), (3, 3, 3)), ((3, 4, 5, 6), (2, 4, 5))):  # the second unbatched
+        x = torch.randn(shape, generator=gen)
+        y, idx = aten.adaptive_max_pool3d(x, out)
+        grad = torch.randn(y.shape, generator=gen)
+        torch.testing.assert_close(adaptive_max_pool3d_backward(grad, x, idx),
+                                   aten.adaptive_max_pool3d_backward(grad, x, idx), rtol=0, atol=0)
+
+    torch.manual_seed(0)  # global max pooling after a convolution (CBAM-style heads): one part per graph
+    _one_part_per_graph_beside_eager(_ConvThen(nn.AdaptiveMaxPool2d((2, 4))), torch.randn(2, 3, 8, 8))

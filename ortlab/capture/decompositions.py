@@ -52,7 +52,8 @@ __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_l
            "trilinear_as_einsum", "copy_broadcast", "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign",
            "fake_quantize_cachemask", "fake_quantize_per_channel_cachemask", "replication_pad_backward",
            "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
-           "diagonal_scatter", "adaptive_avg_pool2d_backward", "weight_norm_interface_backward"]
+           "diagonal_scatter", "adaptive_avg_pool2d_backward", "weight_norm_interface_backward",
+           "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward"]
 
 aten = torch.ops.aten
 
@@ -108,6 +109,8 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten._adaptive_avg_pool3d.default] = adaptive_avg_pool3d
     table[aten._adaptive_avg_pool3d_backward.default] = adaptive_avg_pool3d_backward
     table[aten.max_pool3d_with_indices_backward.default] = max_pool3d_with_indices_backward
+    table[aten.adaptive_max_pool2d_backward.default] = adaptive_max_pool2d_backward
+    table[aten.adaptive_max_pool3d_backward.default] = adaptive_max_pool3d_backward
     table[aten._trilinear.default] = trilinear_as_einsum
     table[aten._weight_norm_interface_backward.default] = weight_norm_interface_backward
     table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
@@ -810,11 +813,30 @@ def max_pool3d_with_indices_backward(grad_output: torch.Tensor, self: torch.Tens
     decomposition does it: each output's gradient added at its index, flat over the volume of its plane
     (ScatterElements(add), which adds repeated indices in turn). ``NotImplemented`` (the op) for symbolic or empty
     sizes and low-precision floats (whose sums PyTorch's kernel keeps in float32)."""
+    return _added_at_indices(grad_output, self, indices, 3)
+
+
+def adaptive_max_pool2d_backward(grad_output: torch.Tensor, self: torch.Tensor, indices: torch.Tensor) -> object:
+    """``adaptive_max_pool2d_backward`` (no translation; ``nn.AdaptiveMaxPool2d``, global max pooling in attention
+    and pooling heads): as a max pool's, each output's gradient added at its index, flat over its plane, repeated
+    indices of overlapping windows in turn as PyTorch's kernel adds them."""
+    return _added_at_indices(grad_output, self, indices, 2)
+
+
+def adaptive_max_pool3d_backward(grad_output: torch.Tensor, self: torch.Tensor, indices: torch.Tensor) -> object:
+    """``adaptive_max_pool3d_backward``: as the 2-D one, flat over the volume of each plane."""
+    return _added_at_indices(grad_output, self, indices, 3)
+
+
+def _added_at_indices(grad_output: torch.Tensor, self: torch.Tensor, indices: torch.Tensor, dims: int) -> object:
+    """A max pool's gradient: ``grad_output`` added at ``indices``, flat over the last ``dims`` dims of ``self``
+    (ScatterElements(add), which adds repeated indices in turn). ``NotImplemented`` (the op) for symbolic or empty
+    sizes and low-precision floats (whose sums PyTorch's kernel keeps in float32)."""
     if (any(not isinstance(n, int) for n in (*grad_output.shape, *self.shape)) or self.numel() == 0
             or grad_output.numel() == 0 or self.dtype not in (torch.float32, torch.float64)):
         return NotImplemented
-    lead = list(self.shape[:-3])
-    flat = grad_output.new_zeros(*lead, math.prod(self.shape[-3:]))
+    lead = list(self.shape[:-dims])
+    flat = grad_output.new_zeros(*lead, math.prod(self.shape[-dims:]))
     return flat.scatter_add(-1, indices.reshape(*lead, -1), grad_output.reshape(*lead, -1)).reshape(self.shape)
 
 
