@@ -506,3 +506,23 @@ def test_adaptive_max_pooling_backward_runs_in_onnxruntime():
 
     torch.manual_seed(0)  # global max pooling after a convolution (CBAM-style heads): one part per graph
     _one_part_per_graph_beside_eager(_ConvThen(nn.AdaptiveMaxPool2d((2, 4))), torch.randn(2, 3, 8, 8))
+
+
+def test_products_keep_their_backward_in_onnxruntime():
+    """``prims.prod`` (no translation) is what the gradients of ``prod`` and ``cumprod`` multiply through; it cut
+    the backward around PyTorch. Now ReduceProd one dim at a time; rows with one zero and with several (after a
+    ReLU) take the gradient's zero-safe path."""
+
+    class Products(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(5, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.relu(self.lin(x)) * 2 + x.sum(-1, keepdim=True).tanh().relu()
+            return h.prod(-1).sum() + h.prod() + h[:, :3].prod(0).sum()
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 5)
+    x[0] = 10.0  # a row of large activations: no zero
+    _one_part_per_graph_beside_eager(Products(), x)

@@ -53,7 +53,7 @@ __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_l
            "fake_quantize_cachemask", "fake_quantize_per_channel_cachemask", "replication_pad_backward",
            "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
            "diagonal_scatter", "adaptive_avg_pool2d_backward", "weight_norm_interface_backward",
-           "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward"]
+           "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward", "prims_prod"]
 
 aten = torch.ops.aten
 
@@ -129,6 +129,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.mean.dim] = mean_of_nothing
     table[aten.mean.default] = mean_of_nothing
     table[torch.ops.prims.var.default] = var_of_nothing
+    table[torch.ops.prims.prod.default] = prims_prod
     table[aten.diagonal_scatter.default] = diagonal_scatter
     table[aten._unsafe_index_put.default] = index_put_accumulate
     table[aten.native_layer_norm.default] = native_layer_norm_float64
@@ -869,6 +870,18 @@ def weight_norm_interface_backward(grad_w: torch.Tensor, saved_v: torch.Tensor, 
     grad_g = (a / norms).to(saved_g.dtype)
     grad_v = (g / norms * (dw - v * (a / (norms * norms)))).to(saved_v.dtype)
     return grad_v, grad_g
+
+
+def prims_prod(inp: torch.Tensor, dims: list[int] | None, *, output_dtype: torch.dtype | None = None) -> object:
+    """``prims.prod`` (no translation; the gradients of ``prod`` and ``cumprod`` multiply through it, so each cut the
+    backward around PyTorch) as ``prod`` over one dim at a time (ReduceProd); ``NotImplemented`` (the op) for empty
+    or symbolic sizes."""
+    if inp.numel() == 0 or any(not isinstance(n, int) for n in inp.shape):
+        return NotImplemented
+    out = inp
+    for d in sorted({d % inp.dim() for d in (range(inp.dim()) if dims is None else dims)}, reverse=True):
+        out = torch.prod(out, d)
+    return out.to(output_dtype) if output_dtype is not None else out
 
 
 def adaptive_avg_pool3d(self: torch.Tensor, output_size: list[int]) -> object:
