@@ -119,7 +119,7 @@ def _inexact_in_float32(value: object) -> bool:
 # off by 2e-6 relative and celu by 3e-7, deg2rad, log2 and log10 by 1e-8.
 _FLOAT64_CONSTANTS = ("aten.selu", "aten.hardsigmoid", "aten.hardswish", "aten.celu", "aten.sinc",
                       "aten.special_sinc", "aten.deg2rad", "aten.rad2deg", "aten.log2", "aten.log10")
-# p-norms, with where their p is (argument position, keyword, default): torchlib's
+# p-norms, with where their p is (argument position, keyword; 2 when absent): torchlib's
 # ``sum(|x|^p)^(1/p)`` holds 1/p as a float32 constant (F.normalize(p=3) and torch.dist(p=1.5) in
 # float64 were off by 1e-7).
 _P_NORMS = {"aten.linalg_vector_norm": (1, "ord"), "aten.norm": (1, "p"), "aten.dist": (2, "p"),
