@@ -526,3 +526,32 @@ def test_products_keep_their_backward_in_onnxruntime():
     x = torch.randn(6, 5)
     x[0] = 10.0  # a row of large activations: no zero
     _one_part_per_graph_beside_eager(Products(), x)
+
+
+def test_max_and_argmax_of_bool_and_int16_run_in_onnxruntime():
+    """onnxruntime has no ArgMax/ArgMin/ReduceMax/ReduceMin for bool or int16; they reduce as int32 (exact), the
+    values back in their dtype. ``cumprod``'s gradient finds each row's first zero with a ``max(dim)`` over a bool
+    mask: with ``prims.prod`` translated too, its backward is one onnxruntime part."""
+
+    class Reductions(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple:
+            m, s = x > 0, (x * 3).short()
+            return (m.max(1, keepdim=True), m.amax(0), m.min(), s.argmax(1), s.argmin(), s.max(0), s.amin(1))
+
+    x = torch.randn(5, 7)
+    om = ortlab.ORTModule(Reductions())
+    for got, ref in zip(om(x), Reductions()(x)):
+        for g, r in zip(got, ref) if isinstance(ref, tuple) else ((got, ref),):
+            assert g.dtype == r.dtype and torch.equal(g, r)
+    assert not om.report.fallbacks
+
+    class Cumulative(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(5, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(x)).cumprod(-1).sum()
+
+    torch.manual_seed(0)
+    _one_part_per_graph_beside_eager(Cumulative(), torch.randn(6, 5))

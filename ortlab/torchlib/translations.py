@@ -5,7 +5,8 @@ their indices, ``argmax``, ``argmin``): PyTorch propagates NaN (the result is Na
 the index is the first NaN's), onnxruntime's ReduceMax/ArgMax skip it: on
 ``[1, nan, -2, .5]`` ``amax`` was 1.0 through onnxruntime. These translations take the
 reduction as torchlib does and replace the result where the reduced values hold a NaN
-(``IsNaN``, one more reduction and a ``Where``; integer tensors keep torchlib's form).
+(``IsNaN``, one more reduction and a ``Where``; integer tensors keep torchlib's form). Bool and int16
+tensors, for which onnxruntime has no ArgMax/ReduceMax kernels, reduce as int32.
 
 Max pools (``max_pool2d``/``max_pool3d`` with their indices, which every training graph and
 AOTAutograd's no-grad graphs use): ONNX ``MaxPool`` skips NaN too, on the CPU provider and on
@@ -99,9 +100,21 @@ def _with_nan(self, value, axes, keepdim: bool):  # noqa: ANN001, ANN202
     return op.Where(has_nan, op.CastLike(op.Constant(value_float=math.nan), value), value)
 
 
+# onnxruntime's CPU provider has no ArgMax/ArgMin/ReduceMax/ReduceMin for bool or int16 (a ``max(dim)`` over a
+# bool mask is in every ``cumprod`` gradient, finding each row's first zero): those reduce as int32, which holds
+# them exactly, and the values come back in their dtype.
+_NO_KERNEL = (ir.DataType.BOOL, ir.DataType.INT16)
+
+
+def _as_int32(x):  # noqa: ANN001, ANN202
+    return op.Cast(x, to=ir.DataType.INT32) if x.dtype in _NO_KERNEL else x
+
+
 def _reduce(reduce_op):  # noqa: ANN001, ANN202
     def reduce(self, dim: Sequence[int] = (), keepdim: bool = False):  # noqa: ANN001, ANN202
         axes = None if len(self.shape) == 0 else _axes(dim)  # a scalar reduces to itself
+        if self.dtype in _NO_KERNEL:
+            return op.Cast(reduce_op(_as_int32(self), axes, keepdims=keepdim), to=self.dtype)
         value = reduce_op(self, axes, keepdims=keepdim)
         return _with_nan(self, value, axes, keepdim) if _floating(self) else value
 
@@ -119,6 +132,7 @@ def _arg(arg_op):  # noqa: ANN001, ANN202
     def arg(self, dim: int | None = None, keepdim: bool = False):  # noqa: ANN001, ANN202
         scalar = len(self.shape) == 0
         rank, floating = len(self.shape), _floating(self)
+        self = _as_int32(self)
         if dim is None or scalar:
             self = op.Reshape(self, op.Constant(value_ints=[-1]))
         axis = 0 if dim is None or scalar else dim
