@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -884,23 +884,27 @@ def prims_prod(inp: torch.Tensor, dims: list[int] | None, *, output_dtype: torch
     return out.to(output_dtype) if output_dtype is not None else out
 
 
+def _dividing_kernel(sizes: Sequence[object], out: Sequence[object]) -> list[int] | None:
+    """The kernel (and stride) of the average pool an adaptive one is where each output size divides its input's;
+    None for other, empty or symbolic sizes."""
+    if any(not isinstance(n, int) or n == 0 for n in (*sizes, *out)) or any(n % o for n, o in zip(sizes, out)):
+        return None
+    return [n // o for n, o in zip(sizes, out)]
+
+
 def adaptive_avg_pool3d(self: torch.Tensor, output_size: list[int]) -> object:
     """``_adaptive_avg_pool3d`` (no ONNX translation) where the output divides the input: ``avg_pool3d`` with the
     quotients as kernel and stride; ``NotImplemented`` (the op) otherwise."""
-    sizes, out = self.shape[-3:], list(output_size)
-    if any(not isinstance(n, int) or n == 0 for n in (*sizes, *out)) or any(n % o for n, o in zip(sizes, out)):
-        return NotImplemented
-    kernel = [n // o for n, o in zip(sizes, out)]
-    return torch.nn.functional.avg_pool3d(self, kernel, kernel)
+    kernel = _dividing_kernel(self.shape[-3:], list(output_size))
+    return NotImplemented if kernel is None else torch.nn.functional.avg_pool3d(self, kernel, kernel)
 
 
 def adaptive_avg_pool3d_backward(grad_output: torch.Tensor, self: torch.Tensor) -> object:
     """``_adaptive_avg_pool3d_backward`` where the output divides the input: average pooling's gradient;
     ``NotImplemented`` (the op) otherwise."""
-    sizes, out = self.shape[-3:], grad_output.shape[-3:]
-    if any(not isinstance(n, int) or n == 0 for n in (*sizes, *out)) or any(n % o for n, o in zip(sizes, out)):
+    kernel = _dividing_kernel(self.shape[-3:], grad_output.shape[-3:])
+    if kernel is None:
         return NotImplemented
-    kernel = [n // o for n, o in zip(sizes, out)]
     return avg_pool3d_backward(grad_output, self, kernel, kernel, [0, 0, 0], False, True, None)
 
 
