@@ -41,6 +41,7 @@ from ortlab.runtime.cache import (
     store_entry,
     structure_key,
 )
+from ortlab.runtime.cpu_rewrites import CpuRewrites, rewrite_for_cpu
 from ortlab.runtime.kernels import low_precision_nodes, missing_kernels, rejected_at_run_time
 from ortlab.runtime.observe import GraphObserver, observed_part
 from ortlab.runtime.openvino import preparation
@@ -182,6 +183,42 @@ class PartBuilder:
             hit = self._from_cache(entry, part, threads, same, gm)
             if hit is not None:
                 return hit
+        exported = self._export(gm, part)
+        rewrites = CpuRewrites()
+        if self._cpu_provider_only():
+            rewrites = rewrite_for_cpu(exported.model, ctx.options.graph_optimization_level)
+        data = exported.to_bytes()
+        try:
+            built, staged = self._session(data, part, threads, entry, exported)
+        except (SessionError, PlacementRetry) as e:
+            if not rewrites.any():
+                raise
+            # A rewrite the session rejects is ortlab's bug; the graph still runs in onnxruntime, as it was
+            # (not its nodes in PyTorch, which a PlacementRetry would have sent there).
+            logger.warning("ortlab: %s: onnxruntime rejected the CPU provider's rewrites (%s); the graph runs "
+                           "without them", self._label(part), first_line(e))
+            record.notes.append(f"{self._label(part)}: runs without the CPU provider's rewrites, which onnxruntime "
+                                f"rejected: {first_line(e)}")
+            rewrites = CpuRewrites()
+            exported = self._export(gm, part)
+            data = exported.to_bytes()
+            built, staged = self._session(data, part, threads, entry, exported)
+        record.notes.extend(rewrites.notes(self._label(part)))
+        if staged is not None:
+            store_entry(entry, staged, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
+                        exported.output_sources, node_provenance(exported.model), exported.guards)
+        self._emit_levels(data, part)
+        self._count(exported.op_counts())
+        runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
+                           exported.output_sources, ctx.device, built.source, exported.guards)
+        self._race(runner, part, entry, same, gm)
+        given = "onnxscript" if ctx.options.graph_optimization_level != "disable" else "exported"
+        record.parts.append(PartRecord(part, self._label(part), runner, exported, given))
+        return runner
+
+    def _export(self, gm: torch.fx.GraphModule, part: str) -> ExportedGraph:
+        """``gm`` exported and cleaned by onnxscript's optimizer, with the stages for both."""
+        ctx, record = self.ctx, self.record
         onnx_name = record.name if not part else f"{record.name}_{part}"
         guard = record.name != "backward"  # the backward's indices were checked in the forward
         try:
@@ -201,19 +238,13 @@ class PartBuilder:
                 record.export_s += exported.seconds
             if ctx.stages.wants("onnxscript"):
                 ctx.stages.emit(self._artifact("onnxscript", part, exported.model, optimized.seconds))
-        data = exported.to_bytes()
-        built, staged = self._session(data, part, threads, entry, exported)
-        if staged is not None:
-            store_entry(entry, staged, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
-                        exported.output_sources, node_provenance(exported.model), exported.guards)
-        self._emit_levels(data, part)
-        self._count(exported.op_counts())
-        runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
-                           exported.output_sources, ctx.device, built.source, exported.guards)
-        self._race(runner, part, entry, same, gm)
-        given = "onnxscript" if ctx.options.graph_optimization_level != "disable" else "exported"
-        record.parts.append(PartRecord(part, self._label(part), runner, exported, given))
-        return runner
+        return exported
+
+    def _cpu_provider_only(self) -> bool:
+        """Whether the part's sessions are the CPU provider's alone (``ortlab.runtime.cpu_rewrites``): a plugin
+        candidate (OpenVINO) would be given the CPU provider's rewrites, which it has no kernels for."""
+        return (self.ctx.device.type == "cpu" and self.providers.providers == ("CPUExecutionProvider",)
+                and not self.providers.candidates)
 
     def _all_candidates(self) -> list[tuple[str, ...]]:
         return [tuple(self.providers.providers), *self.providers.candidates]

@@ -1,0 +1,355 @@
+"""Rewrites of a graph for onnxruntime's CPU provider: the same values, from kernels it runs faster.
+
+A training graph differs from the inference graphs onnxruntime's CPU kernels were tuned
+for: its weights are inputs, not constants, and its backward is full of selects. Two
+rewrites close part of that gap; each keeps the graph's values (the select exactly, the
+convolution as a float32 convolution summed in another order, within the parity
+tolerance), and each is measured in ``benchmarks/results``:
+
+* Note [Where as a checked multiply]: ``Where`` with a full-size condition.
+* Note [Convolutions in the blocked layout]: ``Conv`` with a weight that is not a constant.
+
+They run on graphs whose sessions are the CPU provider's alone: OpenVINO runs ``Where``
+and ``Conv`` well as they are, and has no kernels for onnxruntime's blocked-layout ops.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+
+from ortlab.errors import first_line
+
+__all__ = ["CpuRewrites", "blocked_convolutions", "checked_selects", "nchwc_block_size", "rewrite_for_cpu"]
+
+logger = logging.getLogger(__name__)
+
+NCHWC = "com.microsoft.nchwc"
+_FLOATS = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
+
+
+@dataclasses.dataclass
+class CpuRewrites:
+    """What :func:`rewrite_for_cpu` did to one graph.
+
+    Attributes:
+        selects: ``Where`` nodes now checked multiplies.
+        convolutions: ``Conv`` nodes now in the blocked layout.
+        why_not_blocked: why no convolution was (empty when one was, or none could be).
+    """
+
+    selects: int = 0
+    convolutions: int = 0
+    why_not_blocked: str = ""
+
+    def any(self) -> bool:
+        return bool(self.selects or self.convolutions)
+
+    def notes(self, where: str) -> list[str]:
+        """The report's lines for the graph ``where``."""
+        out = []
+        if self.selects:
+            out.append(f"{where}: {self.selects} Where node(s) with a full-size condition run as a multiply by the "
+                       "condition, checked for NaN (the select runs instead when one appears; Note [Where as a "
+                       "checked multiply] in ortlab.runtime.cpu_rewrites)")
+        if self.convolutions:
+            out.append(f"{where}: {self.convolutions} convolution(s) run in onnxruntime's blocked (NCHWc) layout, "
+                       "their weights reordered each step (Note [Convolutions in the blocked layout])")
+        if self.why_not_blocked:
+            out.append(f"{where}: convolutions kept in onnxruntime's plain layout: {self.why_not_blocked}")
+        return out
+
+
+def rewrite_for_cpu(model: ir.Model, level: str) -> CpuRewrites:
+    """Apply the CPU provider's rewrites to ``model`` in place, for a session at optimization ``level``.
+
+    The blocked layout is onnxruntime's own layout optimization, which it applies at level
+    ``all`` only; the checked selects apply at every level but ``disable``.
+    """
+    done = CpuRewrites()
+    if level == "disable":
+        return done
+    done.selects = checked_selects(model)
+    if level == "all" and any(n.op_type == "Conv" and n.domain in ("", "ai.onnx") for n in model.graph):
+        block, why = nchwc_block_size()
+        if block:
+            done.convolutions = blocked_convolutions(model, block)
+        else:
+            done.why_not_blocked = why
+    return done
+
+
+# Note [Where as a checked multiply]
+# onnxruntime's CPU ``Where`` selects in three single-threaded passes (condition and X,
+# condition and Y, then a merge of the two) with two temporaries, and with a condition as
+# large as its result it takes its per-element path: 2.0 ms on an [8, 4, 128, 128] float
+# tensor, where a ``Mul`` takes 0.05 ms (AMD EPYC, 2 threads). Every ReLU's gradient
+# (``threshold_backward``) is such a Where: 17 of them took 11 ms of ResNet-18's backward.
+#
+# A multiply by the condition is the select whenever it makes no NaN: for ``Where(c, x, y)``,
+# ``x * c + y * !c`` is ``x`` or ``y`` when both are finite (``v * 1`` and ``v + 0`` are exact),
+# and an infinite or NaN operand makes a NaN where the select would have dropped it (inf * 0)
+# or kept a NaN. So the rewrite computes the product, sums it (one NaN makes the sum NaN),
+# and an ``If`` keeps the product when the sum is not NaN and runs the original ``Where``
+# when it is. The result is the select's in every case; only a step whose select meets an
+# inf or a NaN pays for both. Only the sign of a zero may differ (``-0 + 0`` is ``+0``), as
+# onnxruntime's own ``Where`` does: it returns ``+0`` for a selected ``-0``; ``-0 == 0``.
+# A one-element constant 0 operand drops its term (``threshold_backward``: ``g * !c``).
+#
+# With a condition smaller than the result (a causal mask [T, T] beside scores [B, H, T, T])
+# onnxruntime's Where copies spans and is fast enough that the If costs as much as it saves
+# (measured on the GPT's forward), so those stay. onnxruntime's ``BitCast`` (opset 26) would
+# give an exact select of bitwise ops, but our graphs are opset 18, and its integer kernels
+# are no faster (0.38 ms on the same tensor).
+# Below this many elements a Where costs less than the nodes and the If that replace it
+# (the If and its copy cost ~0.15 ms; the rewrite saves ~3 ns an element). ResNet-18's backward:
+# 13 of its Where nodes rewritten, 10.9 ms of Where -> ~3 ms of Mul, ReduceSum, Cast, Not and If.
+MIN_SELECT_ELEMENTS = 1 << 16
+
+
+def _numel(value: ir.Value) -> int | None:
+    shape = value.shape
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return math.prod(shape)
+
+
+def _scalar(value: ir.Value) -> float | None:
+    """The value of a constant operand with one element, else ``None``."""
+    tensor = value.const_value
+    if tensor is None:
+        node = value.producer()
+        if (node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx")
+                or "value" not in node.attributes):
+            return None
+        tensor = node.attributes["value"].as_tensor()
+    if math.prod(tensor.shape) != 1:
+        return None
+    return float(np.asarray(tensor.numpy()).reshape(()))
+
+
+def _node(op: str, inputs: list[ir.Value], like: ir.Node, domain: str = "", **attributes: object) -> ir.Node:
+    """A node standing for (part of) ``like``: it carries ``like``'s provenance (the model code behind it)."""
+    node = ir.node(op, inputs, attributes or None, domain=domain)
+    node.metadata_props.update(like.metadata_props)
+    return node
+
+
+def _replace(graph: ir.Graph, old: ir.Node, nodes: list[ir.Node], result: ir.Value) -> None:
+    """Put ``nodes`` where ``old`` was, ``result`` (their last output) in place of ``old``'s output and name."""
+    out = old.outputs[0]
+    result.dtype, result.shape = out.dtype, out.shape
+    # Names of their own, unique beside the graph's (a value the serializer names itself could repeat one in
+    # an If's branch, which onnxruntime rejects: a graph must be in SSA form).
+    count = 0
+    for node in nodes:
+        for inner in (node, *(n for g in _subgraphs(node) for n in g)):
+            for value in inner.outputs:
+                if value is not result:
+                    value.name = f"{out.name}_cpu{count}"
+                    count += 1
+    graph.insert_before(old, nodes)
+    ir.convenience.replace_all_uses_with(out, result, replace_graph_outputs=True)
+    name = out.name
+    graph.remove(old, safe=True)
+    result.name = name
+
+
+def _subgraphs(node: ir.Node) -> list[ir.Graph]:
+    return [a.value for a in node.attributes.values() if a.type == ir.AttributeType.GRAPH]
+
+
+def checked_selects(model: ir.Model) -> int:
+    """Rewrite the top graph's large float ``Where`` nodes with a full-size condition (Note [Where as a checked
+    multiply]); returns how many."""
+    graph = model.graph
+    rewritten = 0
+    for where in list(graph):
+        if where.op_type != "Where" or where.domain not in ("", "ai.onnx") or len(where.inputs) != 3:
+            continue
+        cond, x, y = where.inputs
+        out = where.outputs[0]
+        if out.dtype not in _FLOATS or cond is None or x is None or y is None:
+            continue
+        numel = _numel(out)
+        if numel is None or numel < MIN_SELECT_ELEMENTS or _numel(cond) != numel:
+            continue
+        nodes: list[ir.Node] = []
+        terms = []
+        for operand, when in ((x, True), (y, False)):
+            if _scalar(operand) == 0.0:
+                continue
+            mask = cond
+            if not when:
+                nodes.append(_node("Not", [cond], where))
+                mask = nodes[-1].outputs[0]
+            nodes.append(_node("Cast", [mask], where, to=out.dtype))
+            nodes.append(_node("Mul", [operand, nodes[-1].outputs[0]], where))
+            terms.append(nodes[-1].outputs[0])
+        if not terms:
+            continue  # Where(c, 0, 0)
+        if len(terms) == 2:
+            nodes.append(_node("Add", terms, where))
+        product = nodes[-1].outputs[0]
+        nodes.append(_node("ReduceSum", [product], where, keepdims=0))
+        nodes.append(_node("IsNaN", [nodes[-1].outputs[0]], where))
+        exact = ir.node("Where", [cond, x, y])
+        keep = ir.node("Identity", [product])  # an If's branch cannot output an outer value itself
+        for value in (exact.outputs[0], keep.outputs[0]):
+            value.dtype, value.shape = out.dtype, out.shape
+        base = where.name or "where"
+        choose = _node("If", [nodes[-1].outputs[0]], where,
+                       then_branch=ir.Graph([], [exact.outputs[0]], nodes=[exact], name=f"{base}_exact"),
+                       else_branch=ir.Graph([], [keep.outputs[0]], nodes=[keep], name=f"{base}_product"))
+        nodes.append(choose)
+        _replace(graph, where, nodes, choose.outputs[0])
+        rewritten += 1
+    return rewritten
+
+
+# Note [Convolutions in the blocked layout]
+# onnxruntime's CPU provider runs a convolution fast in its blocked layout (NCHWc: channels
+# in blocks of 8 or 16, the vector width), but it moves a graph there only for convolutions
+# whose weights are constants, which it reorders once when the session is built. In training
+# the weights are inputs, so every convolution ran as im2col and a GEMM per image: 52 ms of
+# ResNet-18's 72 ms forward (batch 16, 64x64), 6 ms against 1.4 ms for a 512-channel 3x3
+# convolution on 2x2 maps, where the GEMM is 4 columns wide.
+#
+# The rewrite does what onnxruntime's layout transformer does, with the weight reordered by
+# the graph each step: ``ReorderInput`` (to NCHWc), the ``com.microsoft.nchwc`` Conv with the
+# weight laid out OIHWBiBo (OIHWBo where the input has fewer channels than a block and stays
+# NCHW: the 3-channel stem), ``ReorderOutput`` (back to NCHW). The weight's reorder is two
+# Transposes that each move one axis (one 5-D permutation took 4x as long: 8.5 ms for a
+# 512x512x3x3 weight, against 3.5 ms; PyTorch's permute takes 0.9 ms, but the weight is reordered
+# inside the graph). ResNet-18's forward (AMD EPYC with AVX-512, onnxruntime's profiler): Conv
+# 52 -> 23 ms, plus 11.5 ms of weight reorders and 2 ms of activation reorders; 72 -> 57 ms.
+#
+# The block size is MLAS's for the CPU (16 on an AMD EPYC with AVX-512): it is read from
+# ``ReorderInput`` itself, and a blocked convolution of each layout is checked against the
+# plain one before any graph uses them; should a later onnxruntime lay its weights out
+# otherwise, the check fails and the convolutions stay as they are, said in the report.
+# Grouped convolutions, and channel counts that are not multiples of the block, stay as they are.
+#
+# A kernel larger than 7x7 is a gradient's: a weight gradient computed as a convolution of the
+# input with dY as the kernel (ResNet-18's 7x7 stem, Note [Convolution gradients as GEMMs]).
+# Its "weight" is as large as an activation, and reordering it cost more (4.5 ms a step) than
+# the blocked kernel saved, so those stay.
+MAX_BLOCKED_TAPS = 49
+_BLOCK: list[tuple[int, str]] = []
+
+
+def _probe(block: int) -> str:
+    """Why a blocked convolution with the weight laid out as :func:`blocked_convolutions` lays it out does not
+    match onnxruntime's plain one ("" when it does)."""
+    for channels in (2 * block, 3):  # OIHWBiBo, and OIHWBo for an input that stays NCHW
+        why = _probe_one(block, channels)
+        if why:
+            return why
+    return ""
+
+
+def _probe_one(block: int, channels: int) -> str:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, channels, 5, 5)).astype(np.float32)
+    w = rng.standard_normal((block, channels, 3, 3)).astype(np.float32)
+    b = rng.standard_normal((block,)).astype(np.float32)
+    results = []
+    for blocked in (False, True):
+        graph_inputs = [ir.Value(name=n, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(a.shape))
+                        for n, a in (("x", x), ("w", w), ("b", b))]
+        conv = ir.node("Conv", graph_inputs, {"pads": [1, 1, 1, 1], "strides": [2, 2]})
+        conv.outputs[0].dtype = ir.DataType.FLOAT
+        conv.outputs[0].shape = ir.Shape([2, block, 3, 3])
+        graph = ir.Graph(graph_inputs, [conv.outputs[0]], nodes=[conv], opset_imports={"": 18})
+        probe = ir.Model(graph, ir_version=10)
+        if blocked and blocked_convolutions(probe, block) != 1:
+            return "the probe's convolution was not rewritten"
+        session = ort.InferenceSession(ir.to_proto(probe).SerializeToString(), providers=["CPUExecutionProvider"])
+        results.append(session.run(None, {"x": x, "w": w, "b": b})[0])
+    plain, ours = results
+    if not np.allclose(ours, plain, rtol=1e-4, atol=1e-4):
+        return (f"a blocked convolution did not match the plain one (max difference "
+                f"{float(np.abs(ours - plain).max()):.3g}): this onnxruntime lays out its weights otherwise")
+    return ""
+
+
+def nchwc_block_size() -> tuple[int, str]:
+    """The CPU's NCHWc block size, or 0 and why the blocked layout is not used (checked once a process)."""
+    if not _BLOCK:
+        try:
+            x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 4, 1, 1]))
+            node = ir.node("ReorderInput", [x], {"channels_last": 0}, domain=NCHWC)
+            model = ir.Model(ir.Graph([x], [node.outputs[0]], nodes=[node], opset_imports={"": 18, NCHWC: 1}),
+                             ir_version=10)
+            session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+            block = int(session.run(None, {"x": np.zeros((1, 4, 1, 1), np.float32)})[0].shape[1])
+            why = _probe(block) if block in (8, 16) else f"an unexpected NCHWc block size {block}"
+        except Exception as e:  # a build without the NCHWc kernels (or a changed contract)
+            block, why = 0, f"onnxruntime's NCHWc kernels are not usable here: {first_line(e)}"
+        if why:
+            logger.info("ortlab: %s", why)
+        _BLOCK.append((0, why) if why else (block, ""))
+    return _BLOCK[0]
+
+
+def _ints(values: list[int]) -> ir.Node:
+    return ir.node("Constant", [], {"value": ir.tensor(np.array(values, dtype=np.int64))})
+
+
+def blocked_convolutions(model: ir.Model, block: int) -> int:
+    """Rewrite the top graph's float 2-D convolutions whose weights are not constants into onnxruntime's NCHWc
+    layout with block size ``block`` (Note [Convolutions in the blocked layout]); returns how many."""
+    graph = model.graph
+    rewritten = 0
+    for conv in list(graph):
+        if conv.op_type != "Conv" or conv.domain not in ("", "ai.onnx") or len(conv.inputs) < 2:
+            continue
+        x, w = conv.inputs[0], conv.inputs[1]
+        bias = conv.inputs[2] if len(conv.inputs) > 2 else None
+        if x is None or w is None or w.const_value is not None or x.dtype != ir.DataType.FLOAT:
+            continue
+        shapes = (x.shape, w.shape, conv.outputs[0].shape)
+        if any(s is None or len(s) != 4 or not all(isinstance(d, int) for d in s) for s in shapes):
+            continue
+        attrs = conv.attributes
+        if "group" in attrs and attrs["group"].as_int() != 1:
+            continue
+        if "auto_pad" in attrs and attrs["auto_pad"].as_string() not in ("NOTSET", ""):
+            continue
+        co, ci, kh, kw = w.shape
+        taps = kh * kw
+        if co % block or (ci % block and ci >= block) or 0 in x.shape or taps > MAX_BLOCKED_TAPS:
+            continue
+        nodes: list[ir.Node] = [_ints([co // block, block, ci * taps])]
+        nodes.append(_node("Reshape", [w, nodes[-1].outputs[0]], conv))
+        # [O/B, Bo, I*kh*kw] -> [O/B, I*kh*kw, Bo]: OIHWBo, the layout for an NCHW input
+        nodes.append(_node("Transpose", [nodes[-1].outputs[0]], conv, perm=[0, 2, 1]))
+        if ci % block == 0:
+            if taps > 1:  # [(O/B)(I/B), Bi, kh*kw, Bo] -> [.., kh*kw, Bi, Bo]: OIHWBiBo
+                nodes.append(_ints([(co // block) * (ci // block), block, taps, block]))
+                nodes.append(_node("Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], conv))
+                nodes.append(_node("Transpose", [nodes[-1].outputs[0]], conv, perm=[0, 2, 1, 3]))
+            reordered = nodes[-1].outputs[0]
+            nodes.append(_node("ReorderInput", [x], conv, domain=NCHWC, channels_last=0))
+            x_in = nodes[-1].outputs[0]
+        else:
+            reordered, x_in = nodes[-1].outputs[0], x
+        nodes.append(_ints([co, ci, kh, kw]))
+        nodes.append(_node("Reshape", [reordered, nodes[-1].outputs[0]], conv))
+        blocked = _node("Conv", [x_in, nodes[-1].outputs[0], *([bias] if bias is not None else [])], conv,
+                        domain=NCHWC)
+        for name in ("pads", "strides", "dilations", "kernel_shape"):
+            if name in attrs:
+                blocked.attributes[name] = attrs[name]
+        nodes.append(blocked)
+        nodes.append(_node("ReorderOutput", [blocked.outputs[0]], conv, domain=NCHWC, channels_last=0, channels=co))
+        _replace(graph, conv, nodes, nodes[-1].outputs[0])
+        rewritten += 1
+    if rewritten:
+        model.opset_imports[NCHWC] = 1
+    return rewritten

@@ -1,0 +1,221 @@
+"""The CPU provider's rewrites (ortlab/runtime/cpu_rewrites.py) keep the graph's values.
+
+Note [Where as a checked multiply]: the select's result in every case, inf and NaN included.
+Note [Convolutions in the blocked layout]: a float32 convolution within the parity tolerance,
+forward and gradients, for the shapes it takes, and the others left as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+import ortlab
+import ortlab.pipeline.part as part_module
+from ortlab.runtime import cpu_rewrites
+from ortlab.runtime.cpu_rewrites import (
+    MIN_SELECT_ELEMENTS, CpuRewrites, blocked_convolutions, checked_selects, nchwc_block_size,
+)
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+def _value(name: str, dtype: ir.DataType, shape: list[int]) -> ir.Value:
+    return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape))
+
+
+def _run(model: ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def _where_model(shape: list[int], x_zero: bool, dtype: ir.DataType) -> ir.Model:
+    cond = _value("c", ir.DataType.BOOL, shape)
+    y = _value("y", dtype, shape)
+    inputs = [cond, y]
+    nodes = []
+    if x_zero:
+        zero = ir.node("Constant", [], {"value": ir.tensor(np.zeros((), dtype=dtype.numpy()))})
+        nodes.append(zero)
+        x = zero.outputs[0]
+    else:
+        x = _value("x", dtype, shape)
+        inputs.append(x)
+    where = ir.node("Where", [cond, x, y])
+    where.outputs[0].dtype, where.outputs[0].shape = dtype, ir.Shape(shape)
+    nodes.append(where)
+    return ir.Model(ir.Graph(inputs, [where.outputs[0]], nodes=nodes, opset_imports={"": 18}), ir_version=10)
+
+
+@pytest.mark.parametrize("x_zero", [True, False], ids=["threshold_backward", "two_tensors"])
+@pytest.mark.parametrize("special", ["finite", "inf_dropped", "nan_dropped", "nan_kept", "signed_zero"])
+@pytest.mark.parametrize("dtype", [ir.DataType.FLOAT, ir.DataType.DOUBLE], ids=["float32", "float64"])
+def test_a_checked_select_is_the_select(x_zero, special, dtype):
+    shape = [4, MIN_SELECT_ELEMENTS // 4]
+    rng = np.random.default_rng(0)
+    cond = rng.random(shape) < 0.5
+    y = rng.standard_normal(shape).astype(dtype.numpy())
+    x = rng.standard_normal(shape).astype(dtype.numpy())
+    if special == "inf_dropped":  # where the select drops y (the condition picks x): inf * 0 would be NaN
+        y[cond] = np.inf
+    elif special == "nan_dropped":
+        x[~cond] = np.nan
+        y[cond] = np.nan
+    elif special == "nan_kept":
+        y[~cond] = np.nan
+    elif special == "signed_zero":
+        y[:] = -0.0
+    feeds = {"c": cond, "y": y} if x_zero else {"c": cond, "y": y, "x": x}
+    plain = _where_model(shape, x_zero, dtype)
+    expected = _run(plain, feeds)
+    rewritten = _where_model(shape, x_zero, dtype)
+    assert checked_selects(rewritten) == 1
+    assert [n.op_type for n in rewritten.graph if n.op_type in ("Where", "If")] == ["If"]
+    got = _run(rewritten, feeds)
+    np.testing.assert_array_equal(got, expected)  # NaN where NaN; -0 == 0
+    np.testing.assert_array_equal(got, np.where(cond, 0 if x_zero else x, y))
+
+
+def test_small_or_broadcast_selects_stay():
+    small = _where_model([4, 100], True, ir.DataType.FLOAT)
+    assert checked_selects(small) == 0
+    # A condition smaller than the result (a causal mask beside the scores) stays: onnxruntime's Where is fast there.
+    cond = _value("c", ir.DataType.BOOL, [256, 256])
+    y = _value("y", ir.DataType.FLOAT, [4, 256, 256])
+    x = _value("x", ir.DataType.FLOAT, [4, 256, 256])
+    where = ir.node("Where", [cond, x, y])
+    where.outputs[0].dtype, where.outputs[0].shape = ir.DataType.FLOAT, ir.Shape([4, 256, 256])
+    model = ir.Model(ir.Graph([cond, x, y], [where.outputs[0]], nodes=[where], opset_imports={"": 18}), ir_version=10)
+    assert checked_selects(model) == 0
+
+
+class _ReluLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(256, 512)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (torch.relu(self.linear(x)) * scale).sum()
+
+
+def _notes(om: ortlab.ORTModule) -> list[str]:
+    return [n for c in om.report.captures for g in c.graphs for n in g.notes]
+
+
+@pytest.mark.parametrize("scale", ["finite", "inf_where_relu_is_zero"])
+def test_relu_gradients_through_checked_selects_are_the_select_s(scale, monkeypatch):
+    """threshold_backward's Where with a full-size condition: the gradients are bit for bit those of the graph
+    without the rewrite, and eager's within the tolerance, with an infinite upstream gradient where the ReLU
+    was zero too (eager and the select: 0 there; a bare multiply: NaN, in every weight's gradient)."""
+    torch.manual_seed(0)
+    model = _ReluLoss()
+    x = torch.randn(256, 256)
+    s = torch.randn(256, 512)
+    if scale != "finite":
+        with torch.no_grad():
+            s = torch.where(model.linear(x) <= 0, torch.tensor(float("inf")), s)
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    om(x, s).backward()
+    assert any("Where node(s) with a full-size condition" in n for n in _notes(om)), _notes(om)
+    monkeypatch.setattr(part_module, "rewrite_for_cpu", lambda model, level: CpuRewrites())
+    plain = ortlab.ORTModule(copy.deepcopy(model))
+    plain(x, s).backward()
+    model(x, s).backward()
+    for p, q, r in zip(model.parameters(), om.parameters(), plain.parameters()):
+        assert torch.equal(q.grad, r.grad)
+        assert torch.isfinite(q.grad).all()
+        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=1e-4)
+    assert not om.report.fallbacks
+
+
+def test_the_block_size_is_read_and_checked():
+    block, why = nchwc_block_size()
+    assert (block, why) in ((8, ""), (16, "")), why
+
+
+@pytest.mark.parametrize(
+    "cin,cout,kernel,cfg",
+    [(32, 16, 3, dict(padding=1)), (3, 32, 7, dict(stride=2, padding=3)), (16, 32, 1, dict(stride=2)),
+     (32, 32, 3, dict(padding=2, dilation=2, bias=True)), (16, 16, (3, 1), dict(padding=(1, 0), stride=(1, 2)))],
+    ids=["3x3", "stem", "1x1_stride2", "dilated_bias", "asymmetric"],
+)
+def test_blocked_convolutions_match_eager(cin, cout, kernel, cfg):
+    torch.manual_seed(0)
+    cfg.setdefault("bias", False)
+    model = nn.Sequential(nn.Conv2d(cin, cout, kernel, **cfg), nn.Tanh())
+    x = torch.randn(3, cin, 13, 12, requires_grad=True)
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    x2 = x.detach().clone().requires_grad_()
+    out, ref = om(x2), model(x)
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    out.pow(2).sum().backward()
+    ref.pow(2).sum().backward()
+    torch.testing.assert_close(x2.grad, x.grad, rtol=RTOL, atol=ATOL)
+    for p, q in zip(model.parameters(), om.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
+    assert not om.report.fallbacks
+    assert any("1 convolution(s) run in onnxruntime's blocked (NCHWc) layout" in n for n in _notes(om)), _notes(om)
+    (forward,) = [g for c in om.report.captures for g in c.graphs if g.name == "forward"]
+    assert forward.onnx_ops.get("com.microsoft.nchwc.Conv", 0) == 1 and "Conv" not in forward.onnx_ops
+
+
+def test_convolutions_the_layout_cannot_take_stay_plain():
+    """Grouped convolutions, channels that are not a multiple of the block, kernels larger than 7x7 and constant
+    weights (onnxruntime blocks those itself) are left as they are."""
+    block, _ = nchwc_block_size()
+    x = _value("x", ir.DataType.FLOAT, [2, 2 * block, 8, 8])
+    cases = [([block, 2 * block, 3, 3], {"group": 2}), ([block + 4, 2 * block, 3, 3], {}),
+             ([block, 2 * block + 4, 3, 3], {}),
+             ([block, 2 * block, 8, 8], {})]  # a weight gradient's kernel (dY as the kernel)
+    for w_shape, attrs in cases:
+        x_in = _value("x", ir.DataType.FLOAT, [2, w_shape[1] * attrs.get("group", 1), 8, 8])
+        w = _value("w", ir.DataType.FLOAT, w_shape)
+        conv = ir.node("Conv", [x_in, w], {"pads": [1, 1, 1, 1], **attrs})
+        conv.outputs[0].dtype, conv.outputs[0].shape = ir.DataType.FLOAT, ir.Shape([2, w_shape[0], 8, 8])
+        model = ir.Model(ir.Graph([x_in, w], [conv.outputs[0]], nodes=[conv], opset_imports={"": 18}), ir_version=10)
+        assert blocked_convolutions(model, block) == 0, (w_shape, attrs)
+    weight = ir.tensor(np.ones((block, 2 * block, 3, 3), np.float32), name="w")
+    w_const = ir.Value(name="w", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(weight.shape), const_value=weight)
+    conv = ir.node("Conv", [x, w_const], {"pads": [1, 1, 1, 1]})
+    conv.outputs[0].dtype, conv.outputs[0].shape = ir.DataType.FLOAT, ir.Shape([2, block, 8, 8])
+    graph = ir.Graph([x], [conv.outputs[0]], nodes=[conv], initializers=[w_const], opset_imports={"": 18})
+    assert blocked_convolutions(ir.Model(graph, ir_version=10), block) == 0
+
+
+def test_a_rewrite_the_session_rejects_leaves_the_graph_in_onnxruntime_as_it_was(monkeypatch):
+    """Should onnxruntime reject a rewritten graph (ortlab's bug), the graph runs as it was, in onnxruntime,
+    and the report says so: not a fallback to PyTorch."""
+    def broken(model: ir.Model, level: str) -> CpuRewrites:
+        node = ir.node("NoSuchOp", [model.graph.inputs[0]], domain="ortlab.test", name="broken_rewrite")
+        model.graph.append(node)
+        model.graph.outputs.append(node.outputs[0])
+        model.opset_imports["ortlab.test"] = 1
+        return CpuRewrites(selects=1)
+
+    monkeypatch.setattr(part_module, "rewrite_for_cpu", broken)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    x = torch.randn(4, 8)
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    torch.testing.assert_close(om(x), model(x), rtol=RTOL, atol=ATOL)
+    assert not om.report.fallbacks
+    notes = _notes(om)
+    assert any("runs without the CPU provider's rewrites" in n for n in notes), notes
+
+
+def test_a_block_size_that_fails_its_check_keeps_convolutions_plain(monkeypatch):
+    monkeypatch.setattr(cpu_rewrites, "_BLOCK", [(0, "a blocked convolution did not match the plain one")])
+    torch.manual_seed(0)
+    model = nn.Conv2d(16, 16, 3, padding=1)
+    x = torch.randn(2, 16, 6, 6)
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    torch.testing.assert_close(om(x), model(x), rtol=RTOL, atol=ATOL)
+    notes = _notes(om)
+    assert any("convolutions kept in onnxruntime's plain layout: a blocked convolution did not match" in n
+               for n in notes), notes
