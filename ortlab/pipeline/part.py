@@ -193,16 +193,17 @@ class PartBuilder:
         except (SessionError, PlacementRetry) as e:
             if not rewrites.any():
                 raise
-            # A rewrite the session rejects is ortlab's bug; the graph still runs in onnxruntime, as it was
-            # (not its nodes in PyTorch, which a PlacementRetry would have sent there).
+            # Built again from the graph as it was: a failure then is the graph's own (a kernel onnxruntime
+            # lacks, ops to place in PyTorch), raised as such; a success means onnxruntime rejected the
+            # rewrites, ortlab's bug, and the graph still runs in onnxruntime, as it was.
+            exported = self._export(gm, part)
+            data = exported.to_bytes()
+            built, staged = self._session(data, part, threads, entry, exported)
             logger.warning("ortlab: %s: onnxruntime rejected the CPU provider's rewrites (%s); the graph runs "
                            "without them", self._label(part), first_line(e))
             record.notes.append(f"{self._label(part)}: runs without the CPU provider's rewrites, which onnxruntime "
                                 f"rejected: {first_line(e)}")
             rewrites = CpuRewrites()
-            exported = self._export(gm, part)
-            data = exported.to_bytes()
-            built, staged = self._session(data, part, threads, entry, exported)
         record.notes.extend(rewrites.notes(self._label(part)))
         if staged is not None:
             store_entry(entry, staged, exported.input_kinds, exported.output_kinds, exported.output_dtypes,

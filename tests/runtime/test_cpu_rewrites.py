@@ -219,3 +219,29 @@ def test_a_block_size_that_fails_its_check_keeps_convolutions_plain(monkeypatch)
     notes = _notes(om)
     assert any("convolutions kept in onnxruntime's plain layout: a blocked convolution did not match" in n
                for n in notes), notes
+
+
+class _SelectThenFold(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.5, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.where(x > 0, x, self.scale * x)  # a checked select: full-size condition, float64
+        return torch.nn.functional.fold(y, (66, 66), (3, 3))  # Col2Im: no float64 kernel in onnxruntime
+
+
+def test_a_graph_s_own_failure_is_not_blamed_on_the_rewrites():
+    """A float64 Col2Im has no onnxruntime kernel: the graph fails with the rewrites (a checked select beside
+    it) and without them alike, so the fold goes to PyTorch for its own reason and the report does not say
+    the rewrites were rejected."""
+    model = _SelectThenFold()
+    x = torch.randn(2, 36, 64 * 64, dtype=torch.float64)
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    with pytest.warns(ortlab.FallbackWarning):
+        out = om(x)
+    ref = model(x)
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+    notes = _notes(om)
+    assert not any("rejected" in n for n in notes), notes
+    assert any("Col2Im" in str(f) for f in om.report.fallbacks), om.report.fallbacks
