@@ -41,7 +41,7 @@ from ortlab.runtime.cache import (
     store_entry,
     structure_key,
 )
-from ortlab.runtime.cpu_rewrites import CpuRewrites, rewrite_for_cpu
+from ortlab.runtime.cpu_rewrites import CpuRewrites, found_in, rewrite_for_cpu
 from ortlab.runtime.kernels import low_precision_nodes, missing_kernels, rejected_at_run_time
 from ortlab.runtime.observe import GraphObserver, observed_part
 from ortlab.runtime.openvino import preparation
@@ -482,7 +482,9 @@ class PartBuilder:
         loaded = decision.model if decision is not None and decision.model is not None else cached.data
         if ctx.stages.wants("execution"):
             ctx.stages.emit(self._artifact("execution", part, loaded, built.seconds))
-        self._count(count_ops(onnx.load_from_string(loaded)))
+        loaded_model = onnx.load_from_string(loaded)
+        self._count(count_ops(loaded_model))
+        self.record.notes.extend(found_in(loaded_model).notes(self._label(part)))
         runner = OrtRunner(built.session, cached.input_kinds, cached.output_kinds, cached.output_dtypes,
                            cached.output_sources, ctx.device, built.source, cached.guards)
         runner.provenance = cached.provenance

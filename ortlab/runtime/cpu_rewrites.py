@@ -20,12 +20,13 @@ import logging
 import math
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
 from ortlab.errors import first_line
 
-__all__ = ["CpuRewrites", "blocked_convolutions", "checked_selects", "nchwc_block_size", "rewrite_for_cpu"]
+__all__ = ["CpuRewrites", "blocked_convolutions", "checked_selects", "found_in", "nchwc_block_size", "rewrite_for_cpu"]
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +64,19 @@ class CpuRewrites:
         if self.why_not_blocked:
             out.append(f"{where}: convolutions kept in onnxruntime's plain layout: {self.why_not_blocked}")
         return out
+
+
+# The names of the nodes that mark a rewrite, which onnxruntime keeps in the model it optimizes: a cached
+# model (stored as onnxruntime optimized it) is read for them, so a cached start reports them too.
+SELECT_SUFFIX = "_checked_select"
+BLOCKED_SUFFIX = "_blocked_nchwc"
+
+
+def found_in(model: onnx.ModelProto) -> CpuRewrites:
+    """The rewrites a model (as ortlab or onnxruntime wrote it) holds, counted by their nodes' names."""
+    names = [node.name for node in model.graph.node]
+    return CpuRewrites(selects=sum(n.endswith(SELECT_SUFFIX) for n in names),
+                       convolutions=sum(n.endswith(BLOCKED_SUFFIX) for n in names))
 
 
 def rewrite_for_cpu(model: ir.Model, level: str) -> CpuRewrites:
@@ -133,9 +147,10 @@ def _scalar(value: ir.Value) -> float | None:
     return float(np.asarray(tensor.numpy()).reshape(()))
 
 
-def _node(op: str, inputs: list[ir.Value], like: ir.Node, domain: str = "", **attributes: object) -> ir.Node:
+def _node(op: str, inputs: list[ir.Value], like: ir.Node, domain: str = "", name: str | None = None,
+          **attributes: object) -> ir.Node:
     """A node standing for (part of) ``like``: it carries ``like``'s provenance (the model code behind it)."""
-    node = ir.node(op, inputs, attributes or None, domain=domain)
+    node = ir.node(op, inputs, attributes or None, domain=domain, name=name)
     node.metadata_props.update(like.metadata_props)
     return node
 
@@ -203,7 +218,7 @@ def checked_selects(model: ir.Model) -> int:
         for value in (exact.outputs[0], keep.outputs[0]):
             value.dtype, value.shape = out.dtype, out.shape
         base = where.name or "where"
-        choose = _node("If", [nodes[-1].outputs[0]], where,
+        choose = _node("If", [nodes[-1].outputs[0]], where, name=f"{base}{SELECT_SUFFIX}",
                        then_branch=ir.Graph([], [exact.outputs[0]], nodes=[exact], name=f"{base}_exact"),
                        else_branch=ir.Graph([], [keep.outputs[0]], nodes=[keep], name=f"{base}_product"))
         nodes.append(choose)
@@ -342,7 +357,7 @@ def blocked_convolutions(model: ir.Model, block: int) -> int:
         nodes.append(_ints([co, ci, kh, kw]))
         nodes.append(_node("Reshape", [reordered, nodes[-1].outputs[0]], conv))
         blocked = _node("Conv", [x_in, nodes[-1].outputs[0], *([bias] if bias is not None else [])], conv,
-                        domain=NCHWC)
+                        domain=NCHWC, name=f"{conv.name or 'conv'}{BLOCKED_SUFFIX}")
         for name in ("pads", "strides", "dilations", "kernel_shape"):
             if name in attrs:
                 blocked.attributes[name] = attrs[name]

@@ -245,3 +245,21 @@ def test_a_graph_s_own_failure_is_not_blamed_on_the_rewrites():
     notes = _notes(om)
     assert not any("rejected" in n for n in notes), notes
     assert any("Col2Im" in str(f) for f in om.report.fallbacks), om.report.fallbacks
+
+
+def test_a_cached_start_reports_the_rewrites_its_models_hold(tmp_path):
+    """The cache stores the model as onnxruntime optimized it; a start from it runs the same rewrites and
+    its report says so (counted from the rewrites' node names, which onnxruntime keeps)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 48 * 48, 2))
+    x = torch.randn(2, 16, 48, 48)
+
+    def notes_of(om: ortlab.ORTModule) -> list[str]:
+        om(x).sum().backward()
+        return sorted(n for n in _notes(om) if "Where node(s)" in n or "convolution(s)" in n)
+
+    first = notes_of(ortlab.ORTModule(copy.deepcopy(model), cache_dir=str(tmp_path)))
+    assert any("blocked" in n for n in first) and any("Where" in n for n in first), first
+    cached = ortlab.ORTModule(copy.deepcopy(model), cache_dir=str(tmp_path))
+    assert notes_of(cached) == first
+    assert all(g.cached for c in cached.report.captures for g in c.graphs)
