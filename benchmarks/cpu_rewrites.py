@@ -5,6 +5,11 @@ ortlab with the rewrites replaced by a no-op, and ortlab as it is. Prints what t
 (the report's notes), each contender's median step and last loss, and the ratios.
 
     python benchmarks/cpu_rewrites.py --model resnet18 --steps 30
+    python benchmarks/cpu_rewrites.py --torchvision resnet50 --batch 8 --size 64 --steps 12
+
+``--torchvision NAME`` takes a torchvision classification model (100 classes, cross-entropy on random
+labels) instead; PyPI's torchvision does not import beside the CPU torch 2.13, so that needs a torch and
+torchvision pair that do (the README says how).
 """
 
 from __future__ import annotations
@@ -22,15 +27,45 @@ from ortlab.runtime.cpu_rewrites import CpuRewrites
 from train_step import LARGE_MODELS, MODELS, _cpu_model, build_model, train_step
 
 
+class _Classifier(torch.nn.Module):
+    """A torchvision classifier and its cross-entropy loss, as ``train_step`` calls a model: ``model(*batch)``."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.net(images), labels)
+
+
+def _torchvision(name: str, batch: int, size: int):  # noqa: ANN202
+    import torchvision.models
+
+    torch.manual_seed(0)
+    model = _Classifier(getattr(torchvision.models, name)(num_classes=100))
+
+    def draw(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 100, (batch,), generator=g)
+
+    return model, draw
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet18", choices=[*MODELS, *LARGE_MODELS])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
+    parser.add_argument("--torchvision", default=None, help="a torchvision model name instead of --model")
+    parser.add_argument("--batch", type=int, default=8, help="--torchvision: images per batch")
+    parser.add_argument("--size", type=int, default=64, help="--torchvision: image height and width")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}; CPU: {_cpu_model()}; {torch.get_num_threads()} threads")
-    model, draw, _ = build_model(args.model)
     g = torch.Generator().manual_seed(0)
+    if args.torchvision:
+        model, draw = _torchvision(args.torchvision, args.batch, args.size)
+        print(f"torchvision {args.torchvision}, batch {args.batch}, {args.size}x{args.size}")
+    else:
+        model, draw, _ = build_model(args.model)
     batches = [draw(g) for _ in range(args.batches)]
     real = part.rewrite_for_cpu
     contenders = {}

@@ -166,17 +166,18 @@ def test_blocked_convolutions_match_eager(cin, cout, kernel, cfg):
 
 
 def test_convolutions_the_layout_cannot_take_stay_plain():
-    """Grouped convolutions, channels that are not a multiple of the block, kernels larger than 7x7 and constant
-    weights (onnxruntime blocks those itself) are left as they are."""
+    """Grouped convolutions, channels that are not a multiple of the block, kernels larger than 7x7, 1x1 kernels
+    with stride 1 and constant weights (onnxruntime blocks those itself) are left as they are."""
     block, _ = nchwc_block_size()
     x = _value("x", ir.DataType.FLOAT, [2, 2 * block, 8, 8])
     cases = [([block, 2 * block, 3, 3], {"group": 2}), ([block + 4, 2 * block, 3, 3], {}),
              ([block, 2 * block + 4, 3, 3], {}),
-             ([block, 2 * block, 8, 8], {})]  # a weight gradient's kernel (dY as the kernel)
+             ([block, 2 * block, 8, 8], {}),  # a weight gradient's kernel (dY as the kernel)
+             ([block, 2 * block, 1, 1], {"pads": [0, 0, 0, 0]})]  # a GEMM per image already
     for w_shape, attrs in cases:
         x_in = _value("x", ir.DataType.FLOAT, [2, w_shape[1] * attrs.get("group", 1), 8, 8])
         w = _value("w", ir.DataType.FLOAT, w_shape)
-        conv = ir.node("Conv", [x_in, w], {"pads": [1, 1, 1, 1], **attrs})
+        conv = ir.node("Conv", [x_in, w], {"pads": [1, 1, 1, 1], **attrs} if "pads" not in attrs else attrs)
         conv.outputs[0].dtype, conv.outputs[0].shape = ir.DataType.FLOAT, ir.Shape([2, w_shape[0], 8, 8])
         model = ir.Model(ir.Graph([x_in, w], [conv.outputs[0]], nodes=[conv], opset_imports={"": 18}), ir_version=10)
         assert blocked_convolutions(model, block) == 0, (w_shape, attrs)
