@@ -443,26 +443,9 @@ def print_table(name: str, results: dict[str, Result]) -> None:
 
 
 def _cpu_model() -> str:
-    """The CPU's name, with its family, model and vector extensions: cloud machines all called "AMD EPYC"
-    differ (on a Zen 4, family 25 model 17, onnxruntime's GEMMs are as fast as PyTorch's; on the machine of
-    the 2026-11-22 figures they were up to twice as fast), so a figure is only comparable on the same one."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            fields: dict[str, str] = {}
-            for line in f:
-                key, _, value = line.partition(":")
-                fields.setdefault(key.strip(), value.strip())
-                if not line.strip():
-                    break
-    except OSError:
-        fields = {}
-    if "model name" not in fields:
-        import platform
+    from ortlab._versions import cpu_description
 
-        return platform.processor() or "unknown"
-    flags = fields.get("flags", "").split()
-    vector = "AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{fields['model name']} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')}, {vector})"
+    return cpu_description()
 
 
 def main(argv: list[str] | None = None) -> int:

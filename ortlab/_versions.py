@@ -7,7 +7,7 @@ import hashlib
 import platform
 from pathlib import Path
 
-__all__ = ["library_versions", "instruction_sets", "cpu_model"]
+__all__ = ["library_versions", "instruction_sets", "cpu_model", "cpu_description"]
 
 # Note [Cached models and the CPU's instruction sets]
 # A cache entry is the model onnxruntime optimized at level "all", which may hold layout
@@ -55,6 +55,20 @@ def _cpuinfo() -> dict[str, str]:
 def cpu_model() -> str:
     """The CPU's model name (``Intel(R) Xeon(R) Processor @ 2.50GHz``), or what the platform module knows."""
     return _cpuinfo().get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_description() -> str:
+    """:func:`cpu_model` with the family, model and widest vector extension where ``/proc/cpuinfo`` has them:
+    cloud machines all named "AMD EPYC" differ (a Zen 4, family 25 model 17, runs onnxruntime's GEMMs no faster
+    than PyTorch's; the EPYC of the README's 2026-11-22 figures ran them up to twice as fast), so a benchmark's
+    figures are comparable on the same one only."""
+    info = _cpuinfo()
+    if "cpu family" not in info:
+        return cpu_model()
+    flags = set(info.get("flags", "").split())
+    vector = ("AMX" if "amx_tile" in flags else "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags
+              else "no AVX2")
+    return f"{cpu_model()} (family {info['cpu family']} model {info.get('model', '?')}, {vector})"
 
 
 @functools.lru_cache(maxsize=1)
