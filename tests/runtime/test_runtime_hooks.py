@@ -230,3 +230,18 @@ def test_sessions_share_one_cpu_arena():
     assert len(runners) == 2
     for runner in runners:
         assert runner.session.get_session_options().get_session_config_entry("session.use_env_allocators") == "1"
+
+
+def test_sessions_allocate_as_they_go_in_the_graphs_order():
+    """Note [A training step's memory in onnxruntime]: no memory pattern (one block per run did not
+    fit where the forward's had been freed) and nodes in the exported (autograd) order."""
+    import onnxruntime as ort
+
+    om = ortlab.ORTModule(TinyMLP())
+    _train(om)
+    runners = [r for c in om.report.captures for g in c.graphs for r in g.runners]
+    assert runners
+    for runner in runners:
+        so = runner.session.get_session_options()
+        assert so.enable_mem_pattern is False
+        assert so.execution_order == ort.ExecutionOrder.PRIORITY_BASED
