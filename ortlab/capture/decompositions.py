@@ -969,21 +969,27 @@ def _conv2d_weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight_s
     what MLAS does best. The patches cost kh*kw copies of the input (``F.unfold`` would make
     the same matrix, but its export is two Gathers, 6x slower here than these slices).
     The input gradient goes the other way: a GEMM, then ``Col2Im`` sums the patches.
+
+    The windows are taken from the input with batch and channels swapped, ``(Ci, B, H, W)``, and
+    stacked as ``(Ci, kh*kw, B, Ho, Wo)``: that is already the (Ci*kh*kw, B*Ho*Wo) matrix, which
+    the GEMM reads transposed. Stacked from the input as it is, ``(B, Ci, kh*kw, Ho, Wo)``, the
+    patches needed a permute that moved every float on its own (ResNet-18, batch 16, 64x64:
+    backward 128.5 -> 117.1 ms, Transpose 15.4 -> 8.2 ms, the step 1.054x; the same GEMM, the
+    same gradients bit for bit). Swapping the input's first two dims moves rows of H*W floats.
     """
     kh, kw = weight_shape[2], weight_shape[3]
     batch, cout, ho, wo = grad_output.shape
     cin = input.shape[1]
-    x = torch.nn.functional.pad(input, (padding[1], padding[1], padding[0], padding[0]))
+    x = torch.nn.functional.pad(input.transpose(0, 1), (padding[1], padding[1], padding[0], padding[0]))
     patches = []
     for i in range(kh):
         for j in range(kw):
             top, left = i * dilation[0], j * dilation[1]
             patches.append(x[:, :, top:top + stride[0] * (ho - 1) + 1:stride[0],
                              left:left + stride[1] * (wo - 1) + 1:stride[1]])
-    cols = torch.stack(patches, dim=2)  # (B, Ci, kh*kw, Ho, Wo)
-    cols = cols.permute(0, 3, 4, 1, 2).reshape(batch * ho * wo, cin * kh * kw)
+    cols = torch.stack(patches, dim=1).reshape(cin * kh * kw, batch * ho * wo)  # (Ci, kh*kw, B, Ho, Wo)
     go = grad_output.permute(1, 0, 2, 3).reshape(cout, batch * ho * wo)
-    return torch.mm(go, cols).reshape(cout, cin, kh, kw)
+    return torch.mm(go, cols.t()).reshape(cout, cin, kh, kw)
 
 
 def sdpa_math(

@@ -85,8 +85,8 @@ Note [Weight gradients of convolutions for OpenVINO] for what was kept).
 
 Note [Weight gradients of convolutions for OpenVINO]
 ortlab's decomposition writes a convolution's weight gradient as one GEMM of dY with the input's
-patches (the padded input's kh*kw strided windows, stacked and transposed: Note [Convolution
-gradients as GEMMs]). On OpenVINO's plugin the patches' strided Slices and Concat run on reference
+patches (the kh*kw strided windows of the padded input, batch and channels swapped, stacked:
+Note [Convolution gradients as GEMMs]). On OpenVINO's plugin the patches' strided Slices and Concat run on reference
 kernels (37 ms of a ResNet-18 backward). Where the output has at least 64 positions (Ho*Wo), its
 model computes the gradient as PyTorch's CPU kernels once did: a convolution of the padded input
 with dY, batch and channels swapped (the input as ``[C, N, H, W]``, dY as ``[Co, N, Ho, Wo]``
@@ -332,27 +332,29 @@ def _window(value: str, producer: dict[str, onnx.NodeProto],
 
 def _stacked_windows(node: onnx.NodeProto | None, producer: dict[str, onnx.NodeProto], shapes: dict[str, list],
                      constants: dict[str, np.ndarray]) -> tuple[str, tuple[int, ...]] | None:
-    """``node`` as the stack (``Concat`` on axis 2 of ``Unsqueeze``d strided slices) of one tensor's kh*kw
-    windows, ``[N, C, kh*kw, Ho, Wo]``: that tensor and ``(kh, kw, dh, dw, sh, sw)``."""
+    """``node`` as the stack (``Concat`` on axis 1 of ``Unsqueeze``d strided slices) of one tensor's kh*kw
+    windows, ``[C, kh*kw, N, Ho, Wo]`` from a ``[C, N, H, W]`` tensor: that tensor and ``(kh, kw, dh, dw, sh, sw)``."""
     out = shapes.get(node.output[0]) if node is not None and node.output else None
-    if (node is None or node.op_type != "Concat" or _attrs(node).get("axis") not in (2, -3) or out is None
-            or len(out) != 5 or None in out or len(node.input) != out[2] or len(node.input) < 2):
+    if (node is None or node.op_type != "Concat" or _attrs(node).get("axis") not in (1, -4) or out is None
+            or len(out) != 5 or None in out or len(node.input) != out[1] or len(node.input) < 2):
         return None
-    batch, channels, taps, ho, wo = out
+    channels, taps, batch, ho, wo = out
     source, starts, steps = None, [], set()
     for value in node.input:
         unsqueeze = producer.get(value)
         if (unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or len(unsqueeze.input) != 2
-                or [int(a) for a in np.atleast_1d(constants.get(unsqueeze.input[1], np.array([])))] != [2]):
+                or [int(a) for a in np.atleast_1d(constants.get(unsqueeze.input[1], np.array([])))] != [1]):
             return None
         found = _window(unsqueeze.input[0], producer, constants)
         if found is None or (source is not None and found[0] != source):
             return None
         source, sliced = found
+        if set(sliced) - {2, 3}:  # a window of the spatial dims only
+            return None
         starts.append((sliced.get(2, (0, 1))[0], sliced.get(3, (0, 1))[0]))
         steps.add((sliced.get(2, (0, 1))[1], sliced.get(3, (0, 1))[1]))
     x = shapes.get(source)
-    if x is None or len(x) != 4 or None in x or x[:2] != [batch, channels] or len(steps) != 1:
+    if x is None or len(x) != 4 or None in x or x[:2] != [channels, batch] or len(steps) != 1:
         return None
     (sh, sw), rows, cols = steps.pop(), sorted({r for r, _ in starts}), sorted({c for _, c in starts})
     kh, kw = len(rows), len(cols)
@@ -366,13 +368,13 @@ def _stacked_windows(node: onnx.NodeProto | None, producer: dict[str, onnx.NodeP
 
 def _swapped_weight_gradient(node: onnx.NodeProto, producer: dict[str, onnx.NodeProto], shapes: dict[str, list],
                              types: dict[str, int], constants: dict[str, np.ndarray]) -> list[onnx.NodeProto] | None:
-    """A convolution's weight gradient, ``dY @ patches``, as a convolution of the input with dY, batch and
+    """A convolution's weight gradient, ``dY @ patches^T``, as a convolution of the input with dY, batch and
     channels swapped (Note [Weight gradients of convolutions for OpenVINO]); ``None`` where the pattern is
     not there or the output is small."""
     if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or len(node.input) != 2:
         return None
     chain = []
-    for value, ops in ((node.input[0], ("Reshape", "Transpose")), (node.input[1], ("Reshape", "Transpose"))):
+    for value, ops in ((node.input[0], ("Reshape", "Transpose")), (node.input[1], ("Transpose", "Reshape"))):
         found = producer.get(value)
         for op in ops:
             if found is None or found.op_type != op:
@@ -380,26 +382,25 @@ def _swapped_weight_gradient(node: onnx.NodeProto, producer: dict[str, onnx.Node
             chain.append(found)
             found = producer.get(found.input[0])
         chain.append(found)
-    _, turned, _, _, cols_t, stack = chain
-    if _attrs(turned).get("perm") != [1, 0, 2, 3] or _attrs(cols_t).get("perm") != [0, 3, 4, 1, 2]:
+    _, turned, _, cols_t, _, stack = chain
+    if _attrs(turned).get("perm") != [1, 0, 2, 3] or _attrs(cols_t).get("perm") != [1, 0]:
         return None
     windows = _stacked_windows(stack, producer, shapes, constants)
     grad, out = turned.input[0], shapes.get(node.output[0])
     if windows is None or types.get(windows[0]) != onnx.TensorProto.FLOAT or out is None or len(out) != 2:
         return None
     source, (kh, kw, dh, dw, sh, sw) = windows
-    (batch, channels, _, _), dy = shapes[source], shapes.get(grad)
+    (channels, batch, _, _), dy = shapes[source], shapes.get(grad)
     if dy is None or len(dy) != 4 or None in dy or dy[0] != batch or dy[2] * dy[3] < _MIN_SPOTS:
         return None
     co, ho, wo = dy[1], dy[2], dy[3]
     if out != [co, channels * kh * kw] or [ho, wo] != shapes[stack.output[0]][3:]:
         return None
     base = node.name or node.output[0]
-    names = [f"{base}__ov_{what}" for what in ("input", "product", "kernel_size", "axes", "zero", "taps", "turned",
-                                             "shape")]
-    xt, product, size, axes, zero, taps, back, shape = names
-    return [helper.make_node("Transpose", [source], [xt], name=xt, perm=[1, 0, 2, 3]),
-            helper.make_node("Conv", [xt, turned.output[0]], [product], name=product, dilations=[sh, sw],
+    names = [f"{base}__ov_{what}" for what in ("product", "kernel_size", "axes", "zero", "taps", "turned", "shape")]
+    product, size, axes, zero, taps, back, shape = names
+    # The windows' source is the padded input with batch and channels swapped already: the Conv's input.
+    return [helper.make_node("Conv", [source, turned.output[0]], [product], name=product, dilations=[sh, sw],
                              strides=[dh, dw]),
             _const(zero, np.array([0, 0], np.int64)), _const(size, np.array([kh, kw], np.int64)),
             _const(axes, np.array([2, 3], np.int64)),

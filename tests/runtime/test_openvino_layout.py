@@ -354,12 +354,13 @@ def test_a_small_resnet_trains_on_openvino_like_eager():
 
 def _weight_gradient_model(n: int, c: int, co: int, size: int, k: int, stride: int, pad: int) -> bytes:
     """A convolution's weight gradient as ortlab's decomposition exports it: ``MatMul(Reshape(Transpose(dY)),
-    Reshape(Transpose(Concat(Unsqueeze(Slice(Slice(Pad(x))))))))``, each window two Slices as the exporter
-    writes them."""
+    Transpose(Reshape(Concat(Unsqueeze(Slice(Slice(Pad(Transpose(x)))))))))``, each window two Slices as the
+    exporter writes them, taken from the input with batch and channels swapped."""
     ho = (size + 2 * pad - k) // stride + 1
-    ints = {"pads": [0, 0, pad, pad, 0, 0, pad, pad], "ax2": [2], "ax3": [3], "step": [stride], "at": [2],
-            "cols": [n * ho * ho, -1], "rows": [co, -1]}
-    nodes = [helper.make_node("Pad", ["x", "pads"], ["xp"])]
+    ints = {"pads": [0, 0, pad, pad, 0, 0, pad, pad], "ax2": [2], "ax3": [3], "step": [stride], "at": [1],
+            "cols": [c * k * k, -1], "rows": [co, -1]}
+    nodes = [helper.make_node("Transpose", ["x"], ["xt"], perm=[1, 0, 2, 3]),
+             helper.make_node("Pad", ["xt", "pads"], ["xp"])]
     for i in range(k):
         for j in range(k):
             ints.update({f"b{i}": [i], f"e{i}": [i + stride * (ho - 1) + 1], f"c{j}": [j],
@@ -367,20 +368,20 @@ def _weight_gradient_model(n: int, c: int, co: int, size: int, k: int, stride: i
             nodes += [helper.make_node("Slice", ["xp", f"b{i}", f"e{i}", "ax2", "step"], [f"r{i}{j}"]),
                       helper.make_node("Slice", [f"r{i}{j}", f"c{j}", f"f{j}", "ax3", "step"], [f"w{i}{j}"]),
                       helper.make_node("Unsqueeze", [f"w{i}{j}", "at"], [f"u{i}{j}"])]
-    nodes += [helper.make_node("Concat", [f"u{i}{j}" for i in range(k) for j in range(k)], ["stack"], axis=2),
-              helper.make_node("Transpose", ["stack"], ["st"], perm=[0, 3, 4, 1, 2]),
-              helper.make_node("Reshape", ["st", "cols"], ["patches"]),
+    nodes += [helper.make_node("Concat", [f"u{i}{j}" for i in range(k) for j in range(k)], ["stack"], axis=1),
+              helper.make_node("Reshape", ["stack", "cols"], ["patches"]),
+              helper.make_node("Transpose", ["patches"], ["pt"], perm=[1, 0]),
               helper.make_node("Transpose", ["dy"], ["dyt"], perm=[1, 0, 2, 3]),
               helper.make_node("Reshape", ["dyt", "rows"], ["g"]),
-              helper.make_node("MatMul", ["g", "patches"], ["dw"], name="node_mm")]
+              helper.make_node("MatMul", ["g", "pt"], ["dw"], name="node_mm")]
     nodes[-1].metadata_props.append(onnx.StringStringEntryProto(key="ortlab.module", value="layer1.conv"))
     graph = helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, c, size, size]),
                      helper.make_tensor_value_info("dy", TensorProto.FLOAT, [n, co, ho, ho])],
         [helper.make_tensor_value_info("dw", TensorProto.FLOAT, [co, c * k * k])],
         initializer=[numpy_helper.from_array(np.array(v, np.int64), name) for name, v in ints.items()],
-        value_info=[helper.make_tensor_value_info("stack", TensorProto.FLOAT, [n, c, k * k, ho, ho]),
-                    helper.make_tensor_value_info("xp", TensorProto.FLOAT, [n, c, size + 2 * pad, size + 2 * pad])])
+        value_info=[helper.make_tensor_value_info("stack", TensorProto.FLOAT, [c, k * k, n, ho, ho]),
+                    helper.make_tensor_value_info("xp", TensorProto.FLOAT, [c, n, size + 2 * pad, size + 2 * pad])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
 
 
@@ -415,3 +416,29 @@ def test_a_weight_gradient_with_few_output_positions_or_a_1x1_kernel_keeps_its_g
     slice, and the swap was not measured there."""
     model = _weight_gradient_model(2, 3, 4, size, k, 1, 1 if k == 3 else 0)
     assert prepare_for_openvino(model) is model
+
+
+def test_the_exported_weight_gradients_are_the_pattern_openvino_is_given_as_convolutions():
+    """The decomposition's real export (not a model written by hand) is what the matcher finds: a small ResNet's
+    backward, prepared for OpenVINO, swaps the weight gradients with 64 or more output positions, and the
+    prepared model computes what the exported one does (run here on the CPU provider)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1, bias=False), nn.ReLU(), nn.Conv2d(8, 16, 3, 2, 1), nn.ReLU(),
+                           nn.Conv2d(16, 16, 3, 1, 1, dilation=1), nn.Flatten(), nn.Linear(16 * 8 * 8, 10))
+    om = ortlab.ORTModule(module)
+    om(torch.randn(2, 3, 16, 16)).sum().backward()
+    backward = next(g for g in om.report.captures[0].graphs if g.name == "backward")
+    model = backward.parts[0].runner.session_source.model
+    prepared = prepare_for_openvino(model)
+    marks = {p.key: p.value for p in onnx.load_from_string(prepared).metadata_props}
+    assert "3 weight gradient(s) as a swapped Conv" in marks.get(MARK, ""), marks
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in session.get_inputs():
+        assert i.type == "tensor(float)", i
+        feeds[i.name] = rng.standard_normal([d if isinstance(d, int) else 1 for d in i.shape], dtype=np.float32)
+    want = session.run(None, feeds)
+    got = ort.InferenceSession(prepared, providers=["CPUExecutionProvider"]).run(None, feeds)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
