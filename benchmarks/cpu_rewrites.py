@@ -6,6 +6,10 @@ ortlab with the rewrites replaced by a no-op, and ortlab as it is. Prints what t
 
     python benchmarks/cpu_rewrites.py --model resnet18 --steps 30
     python benchmarks/cpu_rewrites.py --torchvision resnet50 --batch 8 --size 64 --steps 12
+    python benchmarks/cpu_rewrites.py --model resnet18 --batch 4 --size 160 --only slices --steps 12
+
+``--only NAME`` measures one rewrite (``selects``, ``convolutions``, ``slices``): the "off" contender runs every
+rewrite but that one. ``--batch``/``--size`` also resize ``--model resnet18``'s images (16 of 64x64 by default).
 
 ``--torchvision NAME`` takes a torchvision classification model (100 classes, cross-entropy on random
 labels) instead; PyPI's torchvision does not import beside the CPU torch 2.13, so that needs a torch and
@@ -23,6 +27,7 @@ import torch
 
 import ortlab
 import ortlab.pipeline.part as part
+import ortlab.runtime.cpu_rewrites as rewrites
 from ortlab.runtime.cpu_rewrites import CpuRewrites
 from train_step import LARGE_MODELS, MODELS, _cpu_model, build_model, train_step
 
@@ -50,29 +55,45 @@ def _torchvision(name: str, batch: int, size: int):  # noqa: ANN202
     return model, draw
 
 
+_ONE = {"selects": "checked_selects", "convolutions": "blocked_convolutions", "slices": "merged_slices"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet18", choices=[*MODELS, *LARGE_MODELS])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
     parser.add_argument("--torchvision", default=None, help="a torchvision model name instead of --model")
-    parser.add_argument("--batch", type=int, default=8, help="--torchvision: images per batch")
-    parser.add_argument("--size", type=int, default=64, help="--torchvision: image height and width")
+    parser.add_argument("--batch", type=int, default=None, help="images per batch (--torchvision: 8)")
+    parser.add_argument("--size", type=int, default=None, help="image height and width (--torchvision: 64)")
+    parser.add_argument("--only", choices=sorted(_ONE), help="measure this rewrite alone against the others")
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}; CPU: {_cpu_model()}; {torch.get_num_threads()} threads")
     g = torch.Generator().manual_seed(0)
     if args.torchvision:
-        model, draw = _torchvision(args.torchvision, args.batch, args.size)
-        print(f"torchvision {args.torchvision}, batch {args.batch}, {args.size}x{args.size}")
+        batch, size = args.batch or 8, args.size or 64
+        model, draw = _torchvision(args.torchvision, batch, size)
+        print(f"torchvision {args.torchvision}, batch {batch}, {size}x{size}")
     else:
         model, draw, _ = build_model(args.model)
+        if args.model == "resnet18" and (args.batch or args.size):
+            batch, size = args.batch or 16, args.size or 64
+            print(f"resnet18, batch {batch}, {size}x{size}")
+
+            def draw(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 1000, (batch,), generator=g)
     batches = [draw(g) for _ in range(args.batches)]
     real = part.rewrite_for_cpu
+    one = _ONE.get(args.only)
+    real_one = getattr(rewrites, one) if one else None
     contenders = {}
     try:
         for label in ("eager", "off", "on"):
             m = copy.deepcopy(model)
-            part.rewrite_for_cpu = real if label == "on" else (lambda model, level: CpuRewrites())
+            if one:  # "off": every rewrite but this one
+                setattr(rewrites, one, real_one if label == "on" else (lambda *a, **k: 0))
+            else:
+                part.rewrite_for_cpu = real if label == "on" else (lambda model, level: CpuRewrites())
             wrapped = m if label == "eager" else ortlab.ORTModule(m)
             opt = torch.optim.SGD(m.parameters(), lr=1e-3)
             start = time.perf_counter()
@@ -82,11 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                 for c in wrapped.report.captures:
                     for graph in c.graphs:
                         for note in graph.notes:
-                            if "Where node(s)" in note or "convolution" in note:
+                            if "Where node(s)" in note or "convolution" in note or "Slice(s)" in note:
                                 print(f"  {note}")
             contenders[label] = (wrapped, opt)
     finally:
         part.rewrite_for_cpu = real
+        if one:
+            setattr(rewrites, one, real_one)
     times: dict[str, list[float]] = {k: [] for k in contenders}
     losses: dict[str, float] = {}
     for i in range(args.steps):
@@ -97,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     for label in contenders:
         print(f"{label:6s} median {statistics.median(times[label]):9.2f} ms   last loss {losses[label]:.6f}")
     eager, off, on = (statistics.median(times[k]) for k in ("eager", "off", "on"))
-    print(f"rewrites on vs off {off / on:.3f}x; off vs eager {eager / off:.3f}x; on vs eager {eager / on:.3f}x")
+    what = f"{args.only} on vs off (the other rewrites on in both)" if one else "rewrites on vs off"
+    print(f"{what} {off / on:.3f}x; off vs eager {eager / off:.3f}x; on vs eager {eager / on:.3f}x")
     return 0
 
 

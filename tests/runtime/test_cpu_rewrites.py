@@ -3,6 +3,7 @@
 Note [Where as a checked multiply]: the select's result in every case, inf and NaN included.
 Note [Convolutions in the blocked layout]: a float32 convolution within the parity tolerance,
 forward and gradients, for the shapes it takes, and the others left as they are.
+Note [One Slice for a window]: the same elements, bit for bit, and only where the axes differ.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import ortlab.pipeline.part as part_module
 from conftest import assert_grads_close
 from ortlab.runtime import cpu_rewrites
 from ortlab.runtime.cpu_rewrites import (
-    MIN_SELECT_ELEMENTS, CpuRewrites, blocked_convolutions, checked_selects, nchwc_block_size,
+    MIN_SELECT_ELEMENTS, CpuRewrites, blocked_convolutions, checked_selects, merged_slices, nchwc_block_size,
 )
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -259,10 +260,75 @@ def test_a_cached_start_reports_the_rewrites_its_models_hold(tmp_path):
 
     def notes_of(om: ortlab.ORTModule) -> list[str]:
         om(x).sum().backward()
-        return sorted(n for n in _notes(om) if "Where node(s)" in n or "convolution(s)" in n)
+        return sorted(n for n in _notes(om) if "Where node(s)" in n or "convolution(s)" in n or "Slice(s)" in n)
 
     first = notes_of(ortlab.ORTModule(copy.deepcopy(model), cache_dir=str(tmp_path)))
     assert any("blocked" in n for n in first) and any("Where" in n for n in first), first
+    assert any("Slice(s) of a Slice" in n for n in first), first
     cached = ortlab.ORTModule(copy.deepcopy(model), cache_dir=str(tmp_path))
     assert notes_of(cached) == first
     assert all(g.cached for c in cached.report.captures for g in c.graphs)
+
+
+def _ints_value(values: list[int]) -> tuple[ir.Node, ir.Value]:
+    node = ir.node("Constant", [], {"value": ir.tensor(np.array(values, dtype=np.int64))})
+    return node, node.outputs[0]
+
+
+def _slices_model(first: tuple, second: tuple, constant: bool = True, share: bool = False) -> ir.Model:
+    """``Slice(Slice(x, *first), *second)`` on a [3, 4, 9, 10] input (each a (starts, ends, axes, steps));
+    with ``share``, the first Slice's result is a second output; without ``constant``, the second's starts are
+    an input."""
+    x = _value("x", ir.DataType.FLOAT, [3, 4, 9, 10])
+    inputs, nodes = [x], []
+    operands = []
+    for lists in (first, second):
+        values = []
+        for i, v in enumerate(lists):
+            if i == 0 and lists is second and not constant:
+                start = _value("start", ir.DataType.INT64, [len(v)])
+                inputs.append(start)
+                values.append(start)
+                continue
+            node, value = _ints_value(v)
+            nodes.append(node)
+            values.append(value)
+        operands.append(values)
+    inner = ir.node("Slice", [x, *operands[0]], name="inner")
+    outer = ir.node("Slice", [inner.outputs[0], *operands[1]], name="outer")
+    nodes += [inner, outer]
+    for value in (inner.outputs[0], outer.outputs[0]):
+        value.dtype = ir.DataType.FLOAT
+    outputs = [outer.outputs[0], *([inner.outputs[0]] if share else [])]
+    return ir.Model(ir.Graph(inputs, outputs, nodes=nodes, opset_imports={"": 18}), ir_version=10)
+
+
+def _run_all(model: ir.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+@pytest.mark.parametrize("first, second", [
+    (([1], [8], [2], [1]), ([0], [9], [3], [2])),           # a window: rows, then strided columns
+    (([2], [9], [-2], [3]), ([-3], [-1], [-1], [1])),       # axes and ends counted from the end
+    (([0, 1], [2, 4], [0, 1], [1, 2]), ([8], [0], [2], [-2])),  # two axes, then a reversed one
+])
+@pytest.mark.parametrize("share", [False, True], ids=["alone", "first_slice_read_elsewhere"])
+def test_a_slice_of_a_slice_is_one_slice_with_the_same_elements(first, second, share):
+    model = _slices_model(first, second, share=share)
+    feeds = {"x": np.random.default_rng(0).standard_normal((3, 4, 9, 10)).astype(np.float32)}
+    want = _run_all(model, feeds)
+    assert merged_slices(model) == 1
+    slices = [n for n in model.graph if n.op_type == "Slice"]
+    assert len(slices) == (2 if share else 1), [n.name for n in slices]
+    assert any(n.name == "outer_one_slice" and n.inputs[0].name == "x" for n in slices)
+    got = _run_all(model, feeds)
+    for w, g in zip(want, got):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_slices_along_one_axis_or_with_computed_bounds_stay():
+    same_axis = _slices_model(([1], [8], [2], [1]), ([2], [5], [2], [1]))
+    computed = _slices_model(([1], [8], [2], [1]), ([0], [9], [3], [2]), constant=False)
+    assert merged_slices(same_axis) == 0 and merged_slices(computed) == 0
+    assert [n.op_type for n in computed.graph].count("Slice") == 2
