@@ -144,8 +144,10 @@ def _numel(value: ir.Value) -> int | None:
     return math.prod(shape)
 
 
-def _scalar(value: ir.Value) -> float | None:
-    """The value of a constant operand with one element, else ``None``."""
+def _constant(value: ir.Value | None) -> np.ndarray | None:
+    """The array of a constant operand (an initializer or a ``Constant`` node's ``value``), else ``None``."""
+    if value is None:
+        return None
     tensor = value.const_value
     if tensor is None:
         node = value.producer()
@@ -153,9 +155,15 @@ def _scalar(value: ir.Value) -> float | None:
                 or "value" not in node.attributes):
             return None
         tensor = node.attributes["value"].as_tensor()
-    if math.prod(tensor.shape) != 1:
+    return np.asarray(tensor.numpy())
+
+
+def _scalar(value: ir.Value) -> float | None:
+    """The value of a constant operand with one element, else ``None``."""
+    array = _constant(value)
+    if array is None or array.size != 1:
         return None
-    return float(np.asarray(tensor.numpy()).reshape(()))
+    return float(array.reshape(()))
 
 
 def _node(op: str, inputs: list[ir.Value], like: ir.Node, domain: str = "", name: str | None = None,
@@ -407,17 +415,8 @@ def blocked_convolutions(model: ir.Model, block: int) -> int:
 
 def _int_list(value: ir.Value | None) -> list[int] | None:
     """The integers of a constant 1-D operand, else ``None``."""
-    if value is None:
-        return None
-    tensor = value.const_value
-    if tensor is None:
-        node = value.producer()
-        if (node is None or node.op_type != "Constant" or node.domain not in ("", "ai.onnx")
-                or "value" not in node.attributes):
-            return None
-        tensor = node.attributes["value"].as_tensor()
-    array = np.asarray(tensor.numpy())
-    if array.ndim != 1 or array.dtype.kind not in "iu":
+    array = _constant(value)
+    if array is None or array.ndim != 1 or array.dtype.kind not in "iu":
         return None
     return [int(v) for v in array]
 
