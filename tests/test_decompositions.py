@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import ortlab
+from conftest import squared_loss_parity
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -21,16 +22,7 @@ RTOL, ATOL = 1e-4, 1e-5
 def test_convolution_backward_runs_in_onnxruntime_and_matches(cfg):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 5, 3, **cfg), nn.ReLU(), nn.Conv2d(5, 4, (3, 2), padding=1), nn.Flatten())
-    x = torch.randn(2, 3, 11, 9, requires_grad=True)
-    om = ortlab.ORTModule(copy.deepcopy(model))
-    x2 = x.detach().clone().requires_grad_()
-    out, ref = om(x2), model(x)
-    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
-    out.pow(2).sum().backward()
-    ref.pow(2).sum().backward()
-    torch.testing.assert_close(x2.grad, x.grad, rtol=RTOL, atol=ATOL)
-    for p, q in zip(model.parameters(), om.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
+    om = squared_loss_parity(model, torch.randn(2, 3, 11, 9))  # outputs, input and parameter gradients
     assert not om.report.fallbacks
     # Note [Convolution gradients as GEMMs]: input gradients are a GEMM and a Col2Im, not ConvTranspose.
     (backward,) = [g for c in om.report.captures for g in c.graphs if g.name == "backward"]
@@ -43,13 +35,7 @@ def test_resnet_shaped_convolution_gradients_match(kernel, stride, padding):
     3x3 block (weight gradients as one GEMM over patches) against eager, input gradient included."""
     torch.manual_seed(0)
     model = nn.Conv2d(3, 8, kernel, stride, padding, bias=False)
-    x = torch.randn(2, 3, 17, 16, requires_grad=True)
-    om = ortlab.ORTModule(copy.deepcopy(model))
-    x2 = x.detach().clone().requires_grad_()
-    om(x2).pow(2).sum().backward()
-    model(x).pow(2).sum().backward()
-    torch.testing.assert_close(x2.grad, x.grad, rtol=RTOL, atol=ATOL)
-    torch.testing.assert_close(om.weight.grad, model.weight.grad, rtol=RTOL, atol=ATOL)
+    om = squared_loss_parity(model, torch.randn(2, 3, 17, 16))  # outputs, input and weight gradients
     assert not om.report.fallbacks
 
 

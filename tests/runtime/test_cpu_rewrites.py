@@ -19,7 +19,7 @@ from torch import nn
 
 import ortlab
 import ortlab.pipeline.part as part_module
-from conftest import assert_grads_close
+from conftest import squared_loss_parity
 from ortlab.runtime import cpu_rewrites
 from ortlab.runtime.cpu_rewrites import (
     MIN_SELECT_ELEMENTS, CpuRewrites, blocked_convolutions, checked_selects, merged_slices, nchwc_block_size,
@@ -151,17 +151,7 @@ def test_blocked_convolutions_match_eager(cin, cout, kernel, cfg):
     torch.manual_seed(0)
     cfg.setdefault("bias", False)
     model = nn.Sequential(nn.Conv2d(cin, cout, kernel, **cfg), nn.Tanh())
-    x = torch.randn(3, cin, 13, 12, requires_grad=True)
-    om = ortlab.ORTModule(copy.deepcopy(model))
-    x2 = x.detach().clone().requires_grad_()
-    out, ref = om(x2), model(x)
-    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
-    # A squared loss: conftest's weighted sum makes gradients of ~50, where atol 1e-5 is below float32's own
-    # error (eager's 4.9e-5 against float64 on the dilated case, ortlab's 1.6e-5).
-    out.pow(2).sum().backward()
-    ref.pow(2).sum().backward()
-    torch.testing.assert_close(x2.grad, x.grad, rtol=RTOL, atol=ATOL)
-    assert_grads_close(model, om)
+    om = squared_loss_parity(model, torch.randn(3, cin, 13, 12))  # outputs, input and weight gradients
     assert not om.report.fallbacks
     assert any("1 convolution(s) run in onnxruntime's blocked (NCHWc) layout" in n for n in _notes(om)), _notes(om)
     (forward,) = [g for c in om.report.captures for g in c.graphs if g.name == "forward"]
