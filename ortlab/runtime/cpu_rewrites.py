@@ -257,11 +257,10 @@ def checked_selects(model: ir.Model) -> int:
 # The rewrite does what onnxruntime's layout transformer does, with the weight reordered by
 # the graph each step: ``ReorderInput`` (to NCHWc), the ``com.microsoft.nchwc`` Conv with the
 # weight laid out OIHWBiBo (OIHWBo where the input has fewer channels than a block and stays
-# NCHW: the 3-channel stem), ``ReorderOutput`` (back to NCHW). The weight's reorder is two
-# Transposes that each move one axis (one 5-D permutation took 4x as long: 8.5 ms for a
-# 512x512x3x3 weight, against 3.5 ms; PyTorch's permute takes 0.9 ms, but the weight is reordered
-# inside the graph). ResNet-18's forward (AMD EPYC with AVX-512, onnxruntime's profiler): Conv
-# 52 -> 23 ms, plus 11.5 ms of weight reorders and 2 ms of activation reorders; 72 -> 57 ms.
+# NCHW: the 3-channel stem), ``ReorderOutput`` (back to NCHW), and the weight reordered in the
+# graph (Note [Reordering a weight with ReorderInput]). ResNet-18's forward (AMD EPYC with
+# AVX-512, onnxruntime's profiler): Conv 52 -> 23 ms, plus 2 ms of activation reorders and the
+# weights' (11.5 ms as Transposes, see below); 72 -> 57 ms.
 #
 # The block size is MLAS's for the CPU (16 on an AMD EPYC with AVX-512): it is read from
 # ``ReorderInput`` itself, and a blocked convolution of each layout is checked against the
@@ -277,6 +276,23 @@ def checked_selects(model: ir.Model) -> int:
 # Its "weight" is as large as an activation, and reordering it cost more (4.5 ms a step) than
 # the blocked kernel saved, so those stay.
 MAX_BLOCKED_TAPS = 49
+
+# Note [Reordering a weight with ReorderInput]
+# A weight [O, I, kh, kw] is [O/B, Bo, I/B, Bi, kh*kw] in memory; the blocked Conv reads it as
+# [O/B, I/B, kh*kw, Bi, Bo]. onnxruntime's Transpose moves it slowly: one 5-D permutation took
+# 8.5 ms for a 512x512x3x3 weight, two Transposes that each move one axis 3.5 ms (PyTorch's
+# permute: 0.9 ms), 11.5 ms of ResNet-18's forward for its 20 weights. ``ReorderInput`` (MLAS's
+# vectorized NCHW -> NCHWc copy, the op that reorders activations) makes both moves when the
+# weight is viewed as an image:
+# * NCHW [O/B, Bo, I*kh*kw, 1], one block of channels: Bo moves last, [O/B, I/B, Bi, kh*kw, Bo];
+# * NHWC [(O/B)(I/B), Bi, 1, kh*kw*Bo], channel blocks of Bo: the blocks (kh*kw) move before the
+#   rows (Bi), [(O/B)(I/B), kh*kw, Bi, 1, Bo].
+# The same floats in the same places (a copy). Each weight read from memory, as after an
+# optimizer step (benchmarks/weight_reorder.py): 512x512x3x3 3.5 -> 2.4 ms, 256x256x3x3
+# 0.89 -> 0.20 ms, ResNet-18's 20 weights 15.8 -> 8.8 ms; in its step's profile the weights'
+# reorders went from 11.5 to ~5 ms and the forward from ~55 to ~47 ms. The probe below runs a
+# rewritten convolution of each layout against the plain one, so a changed ReorderInput keeps
+# convolutions plain.
 _BLOCK: list[tuple[int, str]] = []
 
 
@@ -369,15 +385,16 @@ def blocked_convolutions(model: ir.Model, block: int) -> int:
             continue
         if taps == 1 and _ints_of(attrs, "strides", 1) and _ints_of(attrs, "pads", 0):
             continue  # a GEMM per image already, no im2col: blocked it ran 0.6-0.9x as fast
-        nodes: list[ir.Node] = [_ints([co // block, block, ci * taps])]
+        # The weight's reorder (Note [Reordering a weight with ReorderInput]): [O/B, Bo, I*kh*kw] as NCHW
+        # with one block of channels (Bo), moved last: [O/B, I*kh*kw, Bo], OIHWBo (for an NCHW input).
+        nodes: list[ir.Node] = [_ints([co // block, block, ci * taps, 1])]
         nodes.append(_node("Reshape", [w, nodes[-1].outputs[0]], conv))
-        # [O/B, Bo, I*kh*kw] -> [O/B, I*kh*kw, Bo]: OIHWBo, the layout for an NCHW input
-        nodes.append(_node("Transpose", [nodes[-1].outputs[0]], conv, perm=[0, 2, 1]))
+        nodes.append(_node("ReorderInput", [nodes[-1].outputs[0]], conv, domain=NCHWC, channels_last=0))
         if ci % block == 0:
-            if taps > 1:  # [(O/B)(I/B), Bi, kh*kw, Bo] -> [.., kh*kw, Bi, Bo]: OIHWBiBo
-                nodes.append(_ints([(co // block) * (ci // block), block, taps, block]))
+            if taps > 1:  # [(O/B)(I/B), Bi, 1, kh*kw*Bo] as NHWC, blocks of Bo: [.., kh*kw, Bi, 1, Bo]: OIHWBiBo
+                nodes.append(_ints([(co // block) * (ci // block), block, 1, taps * block]))
                 nodes.append(_node("Reshape", [nodes[-2].outputs[0], nodes[-1].outputs[0]], conv))
-                nodes.append(_node("Transpose", [nodes[-1].outputs[0]], conv, perm=[0, 2, 1, 3]))
+                nodes.append(_node("ReorderInput", [nodes[-1].outputs[0]], conv, domain=NCHWC, channels_last=1))
             reordered = nodes[-1].outputs[0]
             nodes.append(_node("ReorderInput", [x], conv, domain=NCHWC, channels_last=0))
             x_in = nodes[-1].outputs[0]

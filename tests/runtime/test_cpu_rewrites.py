@@ -156,6 +156,11 @@ def test_blocked_convolutions_match_eager(cin, cout, kernel, cfg):
     assert any("1 convolution(s) run in onnxruntime's blocked (NCHWc) layout" in n for n in _notes(om)), _notes(om)
     (forward,) = [g for c in om.report.captures for g in c.graphs if g.name == "forward"]
     assert forward.onnx_ops.get("com.microsoft.nchwc.Conv", 0) == 1 and "Conv" not in forward.onnx_ops
+    # the weight is reordered by ReorderInput, not by Transposes (Note [Reordering a weight with ReorderInput])
+    assert "Transpose" not in forward.onnx_ops, forward.onnx_ops
+    block, _ = nchwc_block_size()
+    weight_reorders = 1 if cin % block or kernel == 1 else 2  # OIHWBo, or a 1x1 kernel: one move
+    assert forward.onnx_ops["com.microsoft.nchwc.ReorderInput"] == weight_reorders + (cin % block == 0), forward.onnx_ops
 
 
 def test_convolutions_the_layout_cannot_take_stay_plain():
