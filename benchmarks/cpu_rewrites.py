@@ -7,8 +7,9 @@ ortlab with the rewrites replaced by a no-op, and ortlab as it is. Prints what t
     python benchmarks/cpu_rewrites.py --model resnet18 --steps 30
     python benchmarks/cpu_rewrites.py --torchvision resnet50 --batch 8 --size 64 --steps 12
     python benchmarks/cpu_rewrites.py --model resnet18 --batch 4 --size 160 --only slices --steps 12
+    python benchmarks/cpu_rewrites.py --model gpt --only gelus --steps 30
 
-``--only NAME`` measures one rewrite (``selects``, ``convolutions``, ``slices``): the "off" contender runs every
+``--only NAME`` measures one rewrite (``selects``, ``convolutions``, ``slices``, ``gelus``): the "off" contender runs every
 rewrite but that one. ``--batch``/``--size`` also resize ``--model resnet18``'s images (16 of 64x64 by default).
 
 ``--torchvision NAME`` takes a torchvision classification model (100 classes, cross-entropy on random
@@ -55,7 +56,8 @@ def _torchvision(name: str, batch: int, size: int):  # noqa: ANN202
     return model, draw
 
 
-_ONE = {"selects": "checked_selects", "convolutions": "blocked_convolutions", "slices": "merged_slices"}
+_ONE = {"selects": "checked_selects", "convolutions": "blocked_convolutions", "slices": "merged_slices",
+        "gelus": "fused_gelus"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 for c in wrapped.report.captures:
                     for graph in c.graphs:
                         for note in graph.notes:
-                            if "Where node(s)" in note or "convolution" in note or "Slice(s)" in note:
+                            if any(k in note for k in ("Where node(s)", "convolution", "Slice(s)", "GELU(s)")):
                                 print(f"  {note}")
             contenders[label] = (wrapped, opt)
     finally:

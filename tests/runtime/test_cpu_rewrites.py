@@ -4,6 +4,7 @@ Note [Where as a checked multiply]: the select's result in every case, inf and N
 Note [Convolutions in the blocked layout]: a float32 convolution within the parity tolerance,
 forward and gradients, for the shapes it takes, and the others left as they are.
 Note [One Slice for a window]: the same elements, bit for bit, and only where the axes differ.
+Note [GELU in one kernel]: the exact GELU as torchlib writes it becomes onnxruntime's one Gelu kernel.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import copy
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
@@ -22,8 +24,11 @@ import ortlab.pipeline.part as part_module
 from conftest import squared_loss_parity
 from ortlab.runtime import cpu_rewrites
 from ortlab.runtime.cpu_rewrites import (
-    MIN_SELECT_ELEMENTS, CpuRewrites, blocked_convolutions, checked_selects, merged_slices, nchwc_block_size,
+    MIN_SELECT_ELEMENTS, CpuRewrites, blocked_convolutions, checked_selects, found_in, fused_gelus, merged_slices,
+    nchwc_block_size,
 )
+from ortlab.config import Options
+from ortlab.runtime.session import optimized_model
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -32,8 +37,11 @@ def _value(name: str, dtype: ir.DataType, shape: list[int]) -> ir.Value:
     return ir.Value(name=name, type=ir.TensorType(dtype), shape=ir.Shape(shape))
 
 
-def _run(model: ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+def _run(model: ir.Model, feeds: dict[str, np.ndarray], optimize: bool = True) -> np.ndarray:
+    so = ort.SessionOptions()
+    if not optimize:  # the nodes as they are, unfused
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), so, providers=["CPUExecutionProvider"])
     return session.run(None, feeds)[0]
 
 
@@ -327,3 +335,53 @@ def test_slices_along_one_axis_or_with_computed_bounds_stay():
     computed = _slices_model(([1], [8], [2], [1]), ([0], [9], [3], [2]), constant=False)
     assert merged_slices(same_axis) == 0 and merged_slices(computed) == 0
     assert [n.op_type for n in computed.graph].count("Slice") == 2
+
+
+def _gelu_model(half: float = 0.5, erf_read_twice: bool = False, dtype: ir.DataType = ir.DataType.FLOAT) -> ir.Model:
+    """torchlib's exact GELU, ``x * (half * (1 + erf(x / sqrt(2))))``, on a [64, 256] input (and the erf
+    also an output with ``erf_read_twice``)."""
+    x = _value("x", dtype, [64, 256])
+    consts = [ir.node("Constant", [], {"value": ir.tensor(np.array(v, dtype.numpy()))}) for v in (2 ** 0.5, 1.0, half)]
+    div = ir.node("Div", [x, consts[0].outputs[0]])
+    erf = ir.node("Erf", [div.outputs[0]])
+    add = ir.node("Add", [erf.outputs[0], consts[1].outputs[0]])
+    mul_half = ir.node("Mul", [consts[2].outputs[0], add.outputs[0]])
+    mul_x = ir.node("Mul", [x, mul_half.outputs[0]], name="node_gelu")
+    mul_x.metadata_props.update({"ortlab.fx_node": "gelu", "ortlab.module": "blocks.0"})
+    outputs = [mul_x.outputs[0], *([erf.outputs[0]] if erf_read_twice else [])]
+    for value in (div, erf, add, mul_half, mul_x):
+        value.outputs[0].dtype, value.outputs[0].shape = dtype, ir.Shape([64, 256])
+    graph = ir.Graph([x], outputs, nodes=[*consts, div, erf, add, mul_half, mul_x], opset_imports={"": 18})
+    return ir.Model(graph, ir_version=10)
+
+
+def test_an_exact_gelu_is_onnxruntime_s_one_gelu_kernel_named_after_the_exported_node():
+    model = _gelu_model()
+    x = np.random.default_rng(0).standard_normal((64, 256)).astype(np.float32) * 4
+    before = _run(ir.from_proto(ir.to_proto(model)), {"x": x}, optimize=False)
+    assert fused_gelus(model) == 1
+    assert [(n.op_type, n.domain, n.name) for n in model.graph] == [("Gelu", "com.microsoft", "node_gelu_one_gelu")]
+    assert model.graph.node(0).metadata_props["ortlab.module"] == "blocks.0"  # the exported node's provenance
+    # its own erf: a few ulps (near zero, where GELU's values are tiny, absolute ones)
+    np.testing.assert_allclose(_run(model, {"x": x}, optimize=False), before, rtol=1e-6, atol=1e-6)
+    kept = optimized_model(ir.to_proto(model).SerializeToString(), Options(), None, "all", ["CPUExecutionProvider"])[0]
+    assert found_in(onnx.load_from_string(kept)).gelus == 1  # onnxruntime keeps the name: a cached start says so
+
+
+def test_gelus_that_are_not_the_pattern_or_not_float32_stay():
+    assert fused_gelus(_gelu_model(half=0.25)) == 0
+    assert fused_gelus(_gelu_model(erf_read_twice=True)) == 0
+    assert fused_gelus(_gelu_model(dtype=ir.DataType.DOUBLE)) == 0  # the CPU provider's kernels are float's
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_layers_train_like_eager_through_the_fused_kernel(approximate):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 256), nn.GELU(approximate=approximate), nn.Linear(256, 8))
+    om = squared_loss_parity(model, torch.randn(64, 32) * 3)
+    gelu_notes = [n for n in _notes(om) if "GELU(s)" in n]
+    assert gelu_notes == ["g0.forward: 1 GELU(s) run as one onnxruntime kernel each (Gelu, FastGelu), not five or "
+                          "eight elementwise ones (Note [GELU in one kernel])"], _notes(om)
+    (forward,) = [g for c in om.report.captures for g in c.graphs if g.name == "forward"]
+    fused = "com.microsoft.Gelu" if approximate == "none" else "com.microsoft.FastGelu"
+    assert forward.onnx_ops.get(fused) == 1 and "Tanh" not in forward.onnx_ops and "Erf" not in forward.onnx_ops

@@ -16,6 +16,17 @@ from ortlab.ui import netron_view
 from ortlab.ui.toggles import FallbackToggles, RecomputeToggles
 
 
+def _nodes_of_linked_file(url: str) -> set[str]:
+    """The node names of the model a netron link opens (served by the default server)."""
+    import onnx
+
+    server = netron_view.running_default_server()
+    assert server is not None
+    path = server.path_of(_query(url)["file"])
+    assert path is not None, url
+    return {n.name for n in onnx.load(path, load_external_data=False).graph.node}
+
+
 def _query(url: str) -> dict[str, str]:
     return {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlparse(html.unescape(url)).query).items()}
 
@@ -83,7 +94,9 @@ def test_recompute_widget_links_rows_and_apply_updates_them(gpt_and_batch):
     urls = toggles.urls()
     assert set(urls) == {a.name for a in toggles.plan.activations} and all(urls.values())
     gelu = next(a for a in toggles.plan.activations if a.op == "aten.gelu")
-    assert _query(urls[gelu.name])["node"] == f"node_{gelu.name}" and "forward" in _query(urls[gelu.name])["file"]
+    # the GELU's node: the exported one, or what the CPU provider's rewrites made of it (node_gelu_one_gelu)
+    assert _query(urls[gelu.name])["node"].startswith(f"node_{gelu.name}") and "forward" in _query(urls[gelu.name])["file"]
+    assert _query(urls[gelu.name])["node"] in _nodes_of_linked_file(urls[gelu.name])
     view = toggles.widget()
     presets, header, table, apply, status, viewer = view.children[1:]
     assert "module" in header.value and "bytes" in header.value
@@ -133,7 +146,8 @@ def test_fallback_toggles_send_and_back(gpt_and_batch):
 
     linker = module_linker(om)
     assert placed[("aten.gelu", "blocks.1")].nodes[0] == ("g0.forward", "gelu_1")
-    assert _query(toggles.url(placed[("aten.gelu", "blocks.1")], linker))["node"] == "node_gelu_1"
+    kept = toggles.url(placed[("aten.gelu", "blocks.1")], linker)
+    assert _query(kept)["node"].startswith("node_gelu_1") and _query(kept)["node"] in _nodes_of_linked_file(kept)
     moved = _query(toggles.url(placed[("aten.gelu", "blocks.0")], linker))
     assert moved["node"] == "gelu" and "forward_fused" in moved["file"]
     toggles.send("aten.gelu", module="blocks.0", to_pytorch=False)
