@@ -5,6 +5,7 @@ Note [Convolutions in the blocked layout]: a float32 convolution within the pari
 forward and gradients, for the shapes it takes, and the others left as they are.
 Note [One Slice for a window]: the same elements, bit for bit, and only where the axes differ.
 Note [GELU in one kernel]: the exact GELU as torchlib writes it becomes onnxruntime's one Gelu kernel.
+Note [A max pool's plane offsets]: the indices PyTorch's, exactly, without the 1x1 pool.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from conftest import squared_loss_parity
 from ortlab.runtime import cpu_rewrites
 from ortlab.runtime.cpu_rewrites import (
     MIN_SELECT_ELEMENTS, CpuRewrites, blocked_convolutions, checked_selects, found_in, fused_gelus, merged_slices,
-    nchwc_block_size,
+    nchwc_block_size, pool_offsets,
 )
 from ortlab.config import Options
 from ortlab.runtime.session import optimized_model
@@ -385,3 +386,42 @@ def test_gelu_layers_train_like_eager_through_the_fused_kernel(approximate):
     (forward,) = [g for c in om.report.captures for g in c.graphs if g.name == "forward"]
     fused = "com.microsoft.Gelu" if approximate == "none" else "com.microsoft.FastGelu"
     assert forward.onnx_ops.get(fused) == 1 and "Tanh" not in forward.onnx_ops and "Erf" not in forward.onnx_ops
+
+class _PoolWithIndices(nn.Module):
+    def __init__(self, **pool: object) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.pool = nn.MaxPool2d(return_indices=True, **pool)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pool(torch.tanh(self.conv(x)))
+
+
+@pytest.mark.parametrize("pool", [dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, ceil_mode=True)],
+                         ids=["resnet_stem", "ceil"])
+def test_max_pool_indices_are_pytorch_s_without_the_1x1_pool(pool):
+    torch.manual_seed(0)
+    model = _PoolWithIndices(**pool)
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    x = torch.randn(2, 3, 9, 11)
+    (values, indices), (ref_values, ref_indices) = om(x), model(x)
+    assert torch.equal(indices, ref_indices) and indices.dtype == ref_indices.dtype  # integers: exactly
+    torch.testing.assert_close(values, ref_values, rtol=RTOL, atol=ATOL)
+    values.pow(2).sum().backward()
+    ref_values.pow(2).sum().backward()
+    for a, b in zip(om.parameters(), model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=RTOL, atol=ATOL)
+    (forward,) = [g for c in om.report.captures for g in c.graphs if g.name == "forward"]
+    assert forward.onnx_ops["MaxPool"] == 2, forward.onnx_ops  # the pool and its NaN flags' pool; no 1x1 pool
+
+
+def test_a_1x1_pool_whose_values_are_read_or_whose_shape_is_unknown_stays():
+    for values_read, shape in ((True, [2, 4, 6, 6]), (False, [2, 4, "h", 6])):
+        x = _value("x", ir.DataType.FLOAT, shape)
+        pool = ir.node("MaxPool", [x], {"kernel_shape": [1, 1], "strides": [1, 1]}, num_outputs=2)
+        starts, ends = (ir.node("Constant", [], {"value": ir.tensor(np.array(v, np.int64))}) for v in ([0, 0], [1, 1]))
+        axes = ir.node("Constant", [], {"value": ir.tensor(np.array([2, 3], np.int64))})
+        first = ir.node("Slice", [pool.outputs[1], starts.outputs[0], ends.outputs[0], axes.outputs[0]])
+        outputs = [first.outputs[0], *([pool.outputs[0]] if values_read else [])]
+        graph = ir.Graph([x], outputs, nodes=[pool, starts, ends, axes, first], opset_imports={"": 18})
+        assert pool_offsets(ir.Model(graph, ir_version=10)) == 0, (values_read, shape)
