@@ -12,9 +12,11 @@ the parity tolerance), and each is measured in ``benchmarks/results``:
 * Note [GELU in one kernel]: a GELU as one onnxruntime kernel (``Gelu``, ``FastGelu``).
 * Note [A max pool's plane offsets]: the offsets torchlib reads from a 1x1 ``MaxPool``'s indices, as constants.
 
-They run on graphs whose sessions are the CPU provider's alone: OpenVINO runs ``Where``
-and ``Conv`` well as they are, and has no kernels for onnxruntime's blocked-layout ops (its
-model is matched against the slices as exported: ``ortlab.runtime.openvino``).
+They run on the graphs of the CPU provider's sessions: where OpenVINO is a candidate in the
+provider race, it is given the graph as exported (Note [The CPU provider races with its
+rewrites] in ``ortlab.pipeline.part``). OpenVINO runs ``Where`` and ``Conv`` well as they are,
+has no kernels for onnxruntime's blocked-layout ops, and its model is matched against the
+slices as exported (``ortlab.runtime.openvino``).
 """
 
 from __future__ import annotations

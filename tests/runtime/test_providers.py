@@ -748,3 +748,49 @@ def test_pinned_openvino_saves_its_stages_and_caches_its_models(tmp_path, recwar
         for (name, a), b in zip(om.module.named_parameters(), eager.parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
     assert not [w for w in recwarn if "cache folder" in str(w.message) or "runs in PyTorch" in str(w.message)]
+
+
+@pytest.mark.parametrize("winner", ["CPUExecutionProvider", "AzureExecutionProvider"])
+def test_the_cpu_provider_races_with_its_rewrites_and_the_others_get_the_graph_as_exported(monkeypatch, winner):
+    """Note [The CPU provider races with its rewrites] (ortlab.pipeline.part): the CPU provider's session runs its
+    rewrites (a blocked convolution, a GELU kernel) while a candidate provider is built from the exported graph;
+    the report names the rewrites when the CPU provider wins, and says the winner ran the graph as exported
+    when another does."""
+    from ortlab.runtime import race as race_module
+    from ortlab.runtime import session as session_module
+    from ortlab.runtime.session import SessionSource
+
+    monkeypatch.setattr(session_module, "cpu_candidates",
+                        lambda: (["CPUExecutionProvider", "AzureExecutionProvider"], {}))
+    given: list[tuple[tuple[str, ...], bytes]] = []
+    real_rebuild, real_time = SessionSource.rebuild, race_module._timed_run
+
+    def rebuild(self, **kwargs):  # noqa: ANN001, ANN003, ANN202
+        given.append((self.providers, self.model))
+        return real_rebuild(self, **kwargs)
+
+    def fake_time(r, args):  # noqa: ANN001, ANN202 - the winner's runs take less time
+        return (0.001 if r.session.get_providers()[0] == winner else 0.010), real_time(r, args)[1]
+
+    monkeypatch.setattr(SessionSource, "rebuild", rebuild)
+    monkeypatch.setattr(race_module, "_timed_run", fake_time)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.GELU(), nn.Conv2d(32, 16, 3, padding=1)).eval()
+    x = torch.randn(4, 16, 12, 12)
+    om = ortlab.ORTModule(model)
+    with torch.no_grad():
+        _calls_until_decided(lambda: om(x), lambda: _runners(om))
+        torch.testing.assert_close(om(x), model(x), rtol=1e-4, atol=1e-5)
+    azure = [m for providers, m in given if providers[0] == "AzureExecutionProvider"]
+    assert azure and all(b"nchwc" not in m and b"Gelu" not in m for m in azure)  # the graph as exported
+    (runner,) = _runners(om)
+    notes = [n for c in om.report.captures for g in c.graphs for n in g.notes]
+    blocked = [n for n in notes if "convolution(s) run in onnxruntime's blocked (NCHWc) layout" in n]
+    assert runner.session.get_providers()[0] == winner, notes
+    if winner == "CPUExecutionProvider":
+        assert b"nchwc" in runner.session_source.model  # its session ran the rewrites
+        assert blocked and any("GELU(s)" in n for n in notes), notes
+    else:
+        assert not blocked and not any("GELU(s)" in n for n in notes), notes
+        assert any("the CPU provider was measured with its rewrites (2 kind(s)); AzureExecutionProvider won and "
+                   "runs the graph as exported" in n for n in notes), notes
