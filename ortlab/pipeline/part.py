@@ -184,10 +184,10 @@ class PartBuilder:
             if hit is not None:
                 return hit
         exported = self._export(gm, part)
-        rewrites, plain = CpuRewrites(), None
+        rewrites, plain, plain_ops = CpuRewrites(), None, {}
         if self._cpu_provider_first():
             if self.providers.candidates:  # Note [The CPU provider races with its rewrites]
-                plain = exported.to_bytes()
+                plain, plain_ops = exported.to_bytes(), exported.op_counts()
             rewrites = rewrite_for_cpu(exported.model, ctx.options.graph_optimization_level)
         data = exported.to_bytes()
         try:
@@ -200,7 +200,7 @@ class PartBuilder:
             # rewrites, ortlab's bug, and the graph still runs in onnxruntime, as it was.
             exported = self._export(gm, part)
             data = exported.to_bytes()
-            plain = data if plain is not None else None
+            plain, plain_ops = (data, exported.op_counts()) if plain is not None else (None, {})
             built, staged = self._session(data, part, threads, entry, exported)
             logger.warning("ortlab: %s: onnxruntime rejected the CPU provider's rewrites (%s); the graph runs "
                            "without them", self._label(part), first_line(e))
@@ -213,10 +213,13 @@ class PartBuilder:
             store_entry(entry, staged, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
                         exported.output_sources, node_provenance(exported.model), exported.guards)
         self._emit_levels(data, part)
-        self._count(exported.op_counts())
+        ops = exported.op_counts()
+        self._count(ops)
         runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
                            exported.output_sources, ctx.device, built.source, exported.guards)
-        self._race(runner, part, entry, same, gm, plain, rewrite_notes)
+        # what another winner runs instead: the graph as exported (Note [The CPU provider races with its rewrites])
+        instead = (plain, rewrite_notes, ops, plain_ops) if plain is not None else None
+        self._race(runner, part, entry, same, gm, instead)
         given = "onnxscript" if ctx.options.graph_optimization_level != "disable" else "exported"
         record.parts.append(PartRecord(part, self._label(part), runner, exported, given))
         return runner
@@ -252,7 +255,8 @@ class PartBuilder:
     # 1.13-1.18x slower there) against OpenVINO with its own preparation. Now the part's first
     # session, the CPU provider's, is built from the rewritten graph, and every other candidate from
     # the graph as exported (serialized before the rewrites), which its provider prepares as it does.
-    # When another provider wins, the report's lines of the rewrites make way for one saying so.
+    # When another provider wins, the report's lines of the rewrites make way for one saying so, and its
+    # op counts are the exported graph's.
     def _cpu_provider_first(self) -> bool:
         """Whether the part's first session is the CPU provider's alone, on the CPU: it gets the CPU provider's
         rewrites (Note [The CPU provider races with its rewrites])."""
@@ -262,13 +266,15 @@ class PartBuilder:
         return [tuple(self.providers.providers), *self.providers.candidates]
 
     def _race(self, runner: OrtRunner, part: str, entry: CacheEntry | None, same: str,
-              gm: torch.fx.GraphModule, plain: bytes | None = None, rewrite_notes: Sequence[str] = ()) -> None:
+              gm: torch.fx.GraphModule, instead: tuple | None = None) -> None:
         """Measure the other candidate providers on the part's first calls (``ortlab.runtime.race``);
         the decision is stored with the cache entry (Note [Stored provider decisions]). A part whose
         graph (``same``, its ``structure_key``) was raced before follows that race's winner; ``gm``, run in
-        float64, decides a disagreement (Note [Float64 decides a disagreement]). ``plain``: the graph as exported,
-        for the other candidates, where the first session runs the CPU provider's rewrites (``rewrite_notes``,
-        the report's lines of them; Note [The CPU provider races with its rewrites])."""
+        float64, decides a disagreement (Note [Float64 decides a disagreement]). ``instead``, where the first
+        session runs the CPU provider's rewrites: the graph as exported (bytes) for the other candidates, the
+        report's lines of the rewrites, and the op counts with and without them (Note [The CPU provider races
+        with its rewrites])."""
+        plain, rewrite_notes, ops, plain_ops = instead if instead is not None else (None, (), {}, {})
         if not self.providers.candidates and runner.session_source is not None:
             # Nothing to measure: the line names what runs (part by part where parts differ).
             self._prepared(runner)
@@ -315,6 +321,15 @@ class PartBuilder:
                         record.notes.remove(line)
                 record.notes.append(f"{where}: the CPU provider was measured with its rewrites ({len(rewrite_notes)} "
                                     f"kind(s)); {'+'.join(result.chosen)} won and runs the graph as exported")
+            if plain is not None and result.chosen and result.chosen != ("CPUExecutionProvider",):
+                for op, n in ops.items():  # the report counts the ops of the graph that runs
+                    left = record.onnx_ops.get(op, 0) - n
+                    if left > 0:
+                        record.onnx_ops[op] = left
+                    else:
+                        record.onnx_ops.pop(op, None)
+                for op, n in plain_ops.items():
+                    record.onnx_ops[op] = record.onnx_ops.get(op, 0) + n
             self._prepared(runner)
             if result.chosen:
                 how = (f"(as measured on {result.followed}, the same graph)" if result.followed

@@ -754,8 +754,8 @@ def test_pinned_openvino_saves_its_stages_and_caches_its_models(tmp_path, recwar
 def test_the_cpu_provider_races_with_its_rewrites_and_the_others_get_the_graph_as_exported(monkeypatch, winner):
     """Note [The CPU provider races with its rewrites] (ortlab.pipeline.part): the CPU provider's session runs its
     rewrites (a blocked convolution, a GELU kernel) while a candidate provider is built from the exported graph;
-    the report names the rewrites when the CPU provider wins, and says the winner ran the graph as exported
-    when another does."""
+    the report names the rewrites (and counts their ops) when the CPU provider wins, and says the winner ran
+    the graph as exported (counting its ops) when another does."""
     from ortlab.runtime import race as race_module
     from ortlab.runtime import session as session_module
     from ortlab.runtime.session import SessionSource
@@ -787,10 +787,13 @@ def test_the_cpu_provider_races_with_its_rewrites_and_the_others_get_the_graph_a
     notes = [n for c in om.report.captures for g in c.graphs for n in g.notes]
     blocked = [n for n in notes if "convolution(s) run in onnxruntime's blocked (NCHWc) layout" in n]
     assert runner.session.get_providers()[0] == winner, notes
+    ops = om.report.captures[0].graphs[0].onnx_ops  # the ops of the graph that runs
     if winner == "CPUExecutionProvider":
         assert b"nchwc" in runner.session_source.model  # its session ran the rewrites
         assert blocked and any("GELU(s)" in n for n in notes), notes
+        assert ops.get("com.microsoft.nchwc.Conv") == 2 and ops.get("com.microsoft.Gelu") == 1, ops
     else:
         assert not blocked and not any("GELU(s)" in n for n in notes), notes
+        assert ops.get("Conv") == 2 and "Erf" in ops and not any("microsoft" in op for op in ops), ops
         assert any("the CPU provider was measured with its rewrites (2 kind(s)); AzureExecutionProvider won and "
                    "runs the graph as exported" in n for n in notes), notes
