@@ -574,7 +574,8 @@ def fused_gelus(model: ir.Model) -> int:
 # input's shape decides. Where the shape is static and the 1x1 pool's values are unused, the
 # slices of its indices become the constants they always are (``np.arange`` sliced alike), as a
 # constant folding would if the folder could see through a MaxPool: no decision, nothing to
-# report. Small results only (a slice of more than 65,536 offsets stays computed).
+# report. Small results only (a slice of more than 65,536 offsets stays computed); the positions
+# are built per axis, never for the whole input.
 _MAX_OFFSETS = 1 << 16
 
 
@@ -586,6 +587,22 @@ def _is_one_by_one(pool: ir.Node) -> bool:
             and _ints_of(attrs, "pads", 0) and _ints_of(attrs, "dilations", 1)
             and ("storage_order" not in attrs or attrs["storage_order"].as_int() == 0)
             and ("auto_pad" not in attrs or attrs["auto_pad"].as_string() in ("NOTSET", "")))
+
+
+def _positions(shape: list[int], lists: tuple[list[int], ...]) -> np.ndarray | None:
+    """``np.arange(prod(shape)).reshape(shape)`` sliced by a Slice's constant ``lists``, built from each axis's
+    own positions (the input can be large; the slice is small), or ``None`` above ``_MAX_OFFSETS`` elements."""
+    window = [slice(None)] * len(shape)
+    for start, end, axis, step in zip(*lists):
+        window[axis] = slice(start, end, step)
+    kept = [np.arange(size, dtype=np.int64)[w] for size, w in zip(shape, window)]
+    if math.prod(len(k) for k in kept) > _MAX_OFFSETS:
+        return None
+    strides = [math.prod(shape[i + 1:]) for i in range(len(shape))]
+    result = np.zeros([len(k) for k in kept], dtype=np.int64)
+    for axis, (k, stride) in enumerate(zip(kept, strides)):
+        result += (k * stride).reshape([-1 if i == axis else 1 for i in range(len(shape))])
+    return result
 
 
 def pool_offsets(model: ir.Model) -> int:
@@ -606,17 +623,13 @@ def pool_offsets(model: ir.Model) -> int:
         if not slices or any(n.op_type != "Slice" or n.domain not in ("", "ai.onnx") or n.inputs[0] is not indices
                              for n in slices):
             continue
-        positions = np.arange(math.prod(shape), dtype=np.int64).reshape(tuple(shape))
         results = []
         for node in slices:
             lists = _slice_lists(node, len(shape))
             if lists is None or any(step <= 0 for step in lists[3]):
                 break
-            window = [slice(None)] * len(shape)
-            for start, end, axis, step in zip(*lists):
-                window[axis] = slice(start, end, step)
-            result = positions[tuple(window)]
-            if result.size > _MAX_OFFSETS:
+            result = _positions(shape, lists)
+            if result is None:
                 break
             results.append(result)
         if len(results) != len(slices):
