@@ -18,6 +18,7 @@ from ortlab.errors import (  # noqa: E402
     FallbackWarning,
     InternalError,
     OrtlabError,
+    ParityWarning,
     SessionError,
     UnsupportedInputError,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "SessionError",
     "FallbackError",
     "FallbackWarning",
+    "ParityWarning",
     "UnsupportedInputError",
     "DeviceError",
     "ArtifactError",

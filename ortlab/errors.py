@@ -85,6 +85,13 @@ class FallbackWarning(UserWarning):
 __all__.append("FallbackWarning")
 
 
+class ParityWarning(UserWarning):
+    """ortlab's numbers will differ from eager PyTorch's; the message says how and why."""
+
+
+__all__.append("ParityWarning")
+
+
 def first_line(error: BaseException, limit: int = 300) -> str:
     """``Type: first line of the message`` of an exception, for reasons and reports."""
     lines = str(error).strip().splitlines()

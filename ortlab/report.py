@@ -325,7 +325,7 @@ class Report:
                 if g.providers:
                     lines.append(f"             providers: {g.providers_now}")
                 for done in g.prepared:
-                    lines.append(f"             OpenVINO's model: {done} (ortlab/runtime/openvino.py)")
+                    lines.append(f"             {done} (ortlab/runtime/openvino.py)")
                 if g.threads:
                     lines.append(f"             threads: {g.threads}")
                 lines.extend(f"             note: {note}" for note in g.notes)

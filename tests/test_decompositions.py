@@ -541,3 +541,29 @@ def test_max_and_argmax_of_bool_and_int16_run_in_onnxruntime():
 
     torch.manual_seed(0)
     _one_part_per_graph_beside_eager(Cumulative(), torch.randn(6, 5))
+
+
+class _ThreeAttentions(nn.Module):
+    def forward(self, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        f = torch.nn.functional.scaled_dot_product_attention
+        return (f(q, q, q, is_causal=True, dropout_p=0.1) + f(q, q, q, attn_mask=mask, dropout_p=0.1)
+                + f(q, q, q, attn_mask=mask))
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_attention_dropout_on_cuda_keeps_pytorchs_kernel_where_it_takes_no_mask(device):
+    """Note [Attention dropout on CUDA stays in PyTorch's kernel]: on CUDA eager's fused kernel draws the mask,
+    so an SDPA with dropout and no mask is kept; one with a mask takes the math form, and a hint says its
+    masks are not eager's. On the CPU, eager's SDPA with dropout is the math form: all three are rewritten."""
+    from ortlab._compat.torch import SDPA_TARGETS
+    from ortlab.capture.aot import rewrite_calls
+
+    gm = torch.fx.symbolic_trace(_ThreeAttentions())
+    hints: list[str] = []
+    assert rewrite_calls(gm, torch.device(device), hints) == (3 if device == "cpu" else 2)
+    kept = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SDPA_TARGETS]
+    if device == "cpu":
+        assert not kept and not hints
+    else:
+        assert len(kept) == 1 and kept[0].kwargs.get("is_causal") is True
+        assert len(hints) == 1 and hints[0].startswith("on CUDA, 1 attention call(s) with dropout and a mask")

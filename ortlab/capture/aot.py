@@ -68,13 +68,50 @@ def _one_row_masked_write(node: torch.fx.Node) -> bool:
         return False
 
 
-def rewrite_calls(gm: torch.fx.GraphModule) -> int:
-    """Replace fused SDPA calls by their math form (see ``decompositions``), multilabel margin losses by
+# Note [Attention dropout on CUDA stays in PyTorch's kernel]
+# On CUDA, eager PyTorch runs ``scaled_dot_product_attention`` with dropout in a fused kernel
+# (memory-efficient or flash attention) that draws its mask inside the kernel from its own Philox
+# offsets. The math form draws its mask with ``native_dropout``: other numbers, so losses and
+# gradients differed from eager's by the changed masks (1.2e-4 relative on a small GPT's loss on an
+# H200; RoBERTa's embedding gradient by 5.3e-3), silently. On the CPU, eager's SDPA with dropout is
+# the math form, the same draws. So on CUDA an SDPA call that may drop (``dropout_p`` not the constant
+# 0) and takes no mask (``is_causal`` or none: GPT-style attention) is kept: AOTAutograd traces
+# PyTorch's fused kernel and its backward, both tagged as drawing from the random stream, and they run
+# in PyTorch, reported as random ops (``ortlab.placement``). With a mask (Hugging Face's attention),
+# the fused kernel kept so failed at run time on an H200 ("(*bias): last dimension must be
+# contiguous", Mistral): that call takes the math form, and the report's hint says that its dropout
+# masks are not eager's (the same probability, other positions).
+CUDA_MASKED_DROPOUT_HINT = (
+    "on CUDA, {n} attention call(s) with dropout and a mask draw their dropout masks with native_dropout, "
+    "where eager PyTorch's fused attention kernel draws its own: the dropped positions (not their "
+    "probability) differ from eager's, and so do losses and gradients. Attention without a mask "
+    "(is_causal) or without dropout keeps eager's numbers (Note [Attention dropout on CUDA stays in "
+    "PyTorch's kernel], ortlab/capture/aot.py)")
+
+
+def _may_drop(node: torch.fx.Node) -> bool:
+    p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+    return not (isinstance(p, (int, float)) and p == 0)
+
+
+def _has_mask(node: torch.fx.Node) -> bool:
+    return node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None) is not None
+
+
+def rewrite_calls(gm: torch.fx.GraphModule, device: torch.device | None = None,
+                  hints: list[str] | None = None) -> int:
+    """Replace fused SDPA calls by their math form (see ``decompositions``; on CUDA not those with dropout and
+    no mask, Note [Attention dropout on CUDA stays in PyTorch's kernel]; ``hints`` gets a line where masked
+    ones with dropout take it), multilabel margin losses by
     theirs (Note [Multilabel margin loss with its target slots masked]), and masked writes of one row by a
     ``where`` (Note [A masked write of one row is a where]); returns how many."""
-    count = 0
+    count = masked_dropouts = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in SDPA_TARGETS:
+            if device is not None and device.type == "cuda" and _may_drop(node):
+                if not _has_mask(node):
+                    continue
+                masked_dropouts += 1
             node.target = sdpa_math
             count += 1
         elif node.op == "call_function" and node.target in MULTILABEL_MARGIN_TARGETS:
@@ -85,6 +122,8 @@ def rewrite_calls(gm: torch.fx.GraphModule) -> int:
             count += 1
     if count:
         gm.recompile()
+    if masked_dropouts and hints is not None:
+        hints.append(CUDA_MASKED_DROPOUT_HINT.format(n=masked_dropouts))
     return count
 
 
@@ -95,9 +134,15 @@ def graph_device(example_inputs: Sequence[object]) -> torch.device:
     Raises:
         DeviceError: when the graph mixes devices.
     """
-    devices = {t.device for t in example_inputs if isinstance(t, torch.Tensor)}
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    devices = {t.device for t in tensors}
     if len(devices) > 1:
         devices.discard(torch.device("meta"))  # a meta tensor beside real ones holds no data to move
+    if len(devices) > 1:
+        # PyTorch lets a 0-d CPU tensor meet tensors on another device (a plain tensor attribute that
+        # model.cuda() leaves behind); the runner says where each input is (Note [CPU tensors among a
+        # CUDA graph's inputs] in ortlab.runtime.runner).
+        devices = {t.device for t in tensors if t.device.type != "meta" and not (t.device.type == "cpu" and t.dim() == 0)}
     if len(devices) > 1:
         names = ", ".join(sorted(str(d) for d in devices))
         raise DeviceError(

@@ -27,7 +27,7 @@ from ortlab.capture.padding import (EmbeddingSparsity, check_embedding_sparsity,
                                    find_embedding_sparsity, traced)
 from ortlab.capture.sparsity import LabelSparsity, find_label_sparsity
 from ortlab.config import DebugOptions, Options
-from ortlab.errors import CaptureError, DeviceError, FallbackError, SessionError, first_line
+from ortlab.errors import CaptureError, DeviceError, FallbackError, ParityWarning, SessionError, first_line
 from ortlab.partition.recompute import partition_joint
 from ortlab.pipeline.graph import compile_graph
 from ortlab.pipeline.part import GraphContext
@@ -259,10 +259,15 @@ class OrtlabBackend:
         if folder is not None:
             capture.files = folder.written
         stages = Stages([folder, *self.sinks])
-        rewrite_calls(gm)
+        device = graph_device(example_inputs)
+        hints: list[str] = []
+        rewrite_calls(gm, device, hints)
+        for hint in hints:  # Note [Attention dropout on CUDA stays in PyTorch's kernel]
+            if hint not in self.report.hints:
+                self.report.hints.append(hint)
+                warnings.warn(f"ortlab: {hint}", ParityWarning, stacklevel=2)
         if stages.wants("captured"):
             stages.emit(StageArtifact("captured", index, mode, content=gm))
-        device = graph_device(example_inputs)
         if device.type == "meta":
             # Meta tensors have shapes and no data: there is nothing for onnxruntime to compute
             # (it read a null pointer and returned CPU tensors of garbage). PyTorch propagates shapes.

@@ -28,7 +28,7 @@ import onnxruntime as ort
 
 from ortlab._cache_files import writable
 from ortlab.errors import DeviceError, first_line
-from ortlab.runtime.openvino import prepare_for_openvino
+from ortlab.runtime.openvino import prepare_for_cuda, prepare_for_openvino
 
 __all__ = ["PLUGINS", "KnownPlugin", "PluginEP", "plugin", "plugin_eps", "plugin_notes", "is_plugin", "cpu_candidates",
            "plugin_options", "bf16_provider", "prepare_model"]
@@ -157,6 +157,8 @@ def plugin_options(ep: PluginEP, cache_dir: str | None) -> dict[str, str]:
 def prepare_model(name: str, model: bytes | str) -> bytes | str:
     """``model`` as the provider ``name`` is given it (Note [Wide MatMuls for OpenVINO]); a path, or a
     provider with nothing to prepare, as it is."""
+    if name == "CUDAExecutionProvider" and isinstance(model, bytes):
+        return prepare_for_cuda(model)  # Note [Input gradients of convolutions on CUDA]
     known = PLUGINS.get(name)
     if known is None or known.prepare is None or not isinstance(model, bytes):
         return model

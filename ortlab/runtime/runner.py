@@ -30,6 +30,7 @@ from ortlab._compat.torch import from_dlpack_capsule, unset_fake_temporarily
 from ortlab._openmp import release_openmp_threads
 from ortlab.errors import InternalError, SessionError
 from ortlab.onnx.guards import IndexGuard, check
+from ortlab.runtime.cuda import fences as cuda_fences
 from ortlab.runtime.session import SessionSource
 
 __all__ = ["OrtRunner"]
@@ -56,6 +57,8 @@ _NP_TORCH = {v: k for k, v in _NP_DTYPES.items()}
 
 _TRIM: list = []
 _NO_OUTPUT = (None,)
+# A valid host address for an empty CPU input of a CUDA graph (Note [CPU tensors among a CUDA graph's inputs]).
+_CPU_NO_DATA = torch.empty(1, dtype=torch.uint8)
 
 
 def _picks(kinds: list[str | None], dtypes: list[torch.dtype | None], sources: list[tuple[str, int] | None],
@@ -195,6 +198,10 @@ class OrtRunner:
         # spin and onnxruntime] in ``ortlab._openmp``); None for single-threaded sessions.
         multi_threaded = session_source is None or session_source.threads != 1
         self._release_openmp = release_openmp_threads() if multi_threaded and device.type == "cpu" else None
+        # On CUDA, onnxruntime's stream waits for the caller's before a run, and the caller's for
+        # onnxruntime's after it (Note [onnxruntime's CUDA stream and PyTorch's] in ortlab.runtime.cuda).
+        self._fences = cuda_fences(device) if device.type == "cuda" else None
+        self._cpu_device = ort_device("cpu")
         if len(self.input_names) != len(input_kinds):
             raise InternalError(
                 f"the session has {len(self.input_names)} inputs but the graph has {len(input_kinds)} "
@@ -324,6 +331,21 @@ class OrtRunner:
             return value if value.is_contiguous() else value.contiguous()  # type: ignore[union-attr]
         return torch.tensor(value, dtype=_SCALAR_DTYPES[kind], device=self.device)
 
+    # Note [CPU tensors among a CUDA graph's inputs]
+    # A CUDA graph can take CPU tensors: PyTorch lets a 0-d CPU tensor meet CUDA tensors (a scalar
+    # passed to forward, a plain tensor attribute that ``model.cuda()`` does not move, which
+    # Dynamo lifts into an input). Declared as CUDA memory, onnxruntime read the host pointer on the
+    # GPU ("CUDA failure 1: invalid argument" in an Identity's copy in HF's Mistral; an illegal
+    # memory access in BART's). Each input is declared where it is; onnxruntime copies a CPU input
+    # to the GPU where a CUDA kernel reads it.
+
+    def _where(self, tensors: list, pointers: list) -> tuple[list, list]:
+        """Each input's onnxruntime device, and a valid pointer on it for empty tensors (Note [CPU tensors
+        among a CUDA graph's inputs])."""
+        devices = [self._ort_device if t.is_cuda else self._cpu_device for t in tensors]
+        pointers = [p if t.is_cuda or t.data_ptr() else _CPU_NO_DATA.data_ptr() for t, p in zip(tensors, pointers)]
+        return devices, pointers
+
     def __call__(self, *args: object) -> list:
         if self._sess is None:
             raise SessionError(
@@ -355,16 +377,18 @@ class OrtRunner:
             if np_dtypes is not None and np_dtypes != self._input_np:
                 tensors, np_dtypes = self._retype(tensors, np_dtypes)
         if np_dtypes is not None:
-            inputs.push_back_batch(
-                tensors, [t.data_ptr() or self._no_data_ptr for t in tensors], np_dtypes, [t.shape for t in tensors],
-                self._in_devices,
-            )
+            devices, pointers = self._in_devices, [t.data_ptr() or self._no_data_ptr for t in tensors]
+            if self._fences is not None and not all(t.is_cuda for t in tensors):
+                devices, pointers = self._where(tensors, pointers)
+            inputs.push_back_batch(tensors, pointers, np_dtypes, [t.shape for t in tensors], devices)
         else:
             for t in tensors:
                 inputs.push_back(value_from_dlpack(t.detach().__dlpack__(), t.dtype == torch.bool))
         outputs = OrtValueVector()
         if self._release_openmp is not None:
             self._release_openmp()
+        if self._fences is not None:
+            self._fences[0]()
         if self._shrink:
             outputs = self._shrinking_run(inputs)
         elif self.span is None:
@@ -376,6 +400,8 @@ class OrtRunner:
                 self._sess.run_with_ortvaluevector(
                     self._run_options, self._feed, inputs, self._fetch, outputs, self._out_devices
                 )
+        if self._fences is not None:
+            self._fences[1]()
         picks = self._picks
         if picks is not None:  # Note [The runner's plain calls]
             produced = outputs.to_dlpacks(from_dlpack_capsule)

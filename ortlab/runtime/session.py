@@ -339,7 +339,10 @@ def _build(source: SessionSource, optimized_path: str | None, profile_prefix: st
             if missing:
                 raise SessionError(f"onnxruntime has no {', '.join(missing)} here (available: "
                                    f"{', '.join(ort.get_available_providers())})")
-            session = ort.InferenceSession(source.model, sess_options=so, providers=list(source.providers))
+            if source.providers and source.providers[0] == "CUDAExecutionProvider":
+                source = dataclasses.replace(source, model=prepare_model(source.providers[0], source.model))
+            session = ort.InferenceSession(source.model, sess_options=so,
+                                           providers=[_with_options(p) for p in source.providers])
         if source.providers and source.providers[0] not in session.get_providers():
             # onnxruntime falls back to the CPU provider for an unknown one, printing to stdout only.
             raise SessionError(f"onnxruntime has no {source.providers[0]} here (it would have run on "
@@ -351,6 +354,16 @@ def _build(source: SessionSource, optimized_path: str | None, profile_prefix: st
         raise SessionError(f"onnxruntime could not create a session: {e}") from e
     return BuiltSession(session, source, ProviderChoice(source.providers, "as its source"),
                         ThreadChoice(source.threads, "as its source"), time.perf_counter() - start)
+
+
+def _with_options(provider: str) -> str | tuple[str, dict[str, str]]:
+    """A provider as onnxruntime takes it: CUDA's with its stream and TF32 setting
+    (Note [onnxruntime's CUDA stream and PyTorch's] in ``ortlab.runtime.cuda``)."""
+    if provider != "CUDAExecutionProvider":
+        return provider
+    from ortlab.runtime.cuda import provider_options  # imports torch: the CUDA path has it
+
+    return provider, provider_options()
 
 
 def optimized_model(model: bytes, options: Options, debug: DebugOptions | None, level: str,

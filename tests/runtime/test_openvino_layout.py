@@ -16,7 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 import ortlab
-from ortlab.runtime.openvino import MARK, prepare_for_openvino
+from ortlab.runtime.openvino import CUDA_MARK, MARK, _drop_unused, prepare_for_openvino, preparation
+from ortlab.runtime.providers import prepare_model
 from ortlab.runtime import providers as providers_module
 
 
@@ -324,6 +325,63 @@ def test_a_convolutions_input_gradient_is_a_transposed_convolution_for_openvino(
     session = _openvino_session(prepared)
     if session is not None:
         np.testing.assert_allclose(session.run(None, feeds)[0], expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("size, k, stride, pad, from_nchw", [(9, 3, 2, 1, False), (8, 3, 1, 1, True)])
+def test_a_convolutions_input_gradient_is_a_transposed_convolution_for_cuda(size, k, stride, pad, from_nchw):
+    """Note [Input gradients of convolutions on CUDA]: onnxruntime's CUDA provider has no Col2Im, which
+    ran on the CPU with copies each way. The CUDA provider's model gets the ConvTranspose alone."""
+    model = _input_gradient_model(2, 4, 6, size, k, stride, pad, from_nchw)
+    prepared = prepare_model("CUDAExecutionProvider", model)
+    proto = onnx.load_from_string(prepared)
+    onnx.checker.check_model(proto, full_check=True)
+    assert "Col2Im" not in [n.op_type for n in proto.graph.node] and \
+        [n.op_type for n in proto.graph.node].count("ConvTranspose") == 1
+    assert {p.key: p.value for p in proto.metadata_props} == {CUDA_MARK: "1 Col2Im(s) as ConvTranspose"}
+    assert preparation(prepared) == "CUDA's model: 1 Col2Im(s) as ConvTranspose"
+    assert prepare_model("CUDAExecutionProvider", prepared) is prepared  # once
+    assert prepare_model("CPUExecutionProvider", model) is model
+    rng = np.random.default_rng(0)
+    feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim], dtype=np.float32)
+             for i in proto.graph.input}
+    np.testing.assert_allclose(_run(prepared, feeds), _run(model, feeds), rtol=1e-5, atol=1e-5)
+
+
+def test_the_cuda_model_of_a_batch_norm_backward_computes_the_same_gradients():
+    """The exported backward of convolutions with batch norm as the CUDA provider is given it: every Col2Im a
+    ConvTranspose; run here on the CPU provider in place of the exported one, the gradients are eager's."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Conv2d(3, 8, 3, 1, 1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, 2, 1),
+                           nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 5))
+    eager = copy.deepcopy(module)
+    om = ortlab.ORTModule(module, providers=["CPUExecutionProvider"], graph_optimization_level="basic")
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    run_step(eager, om, (x,), seed=0)
+    backward = next(g for g in om.report.captures[0].graphs if g.name == "backward")
+    runner = backward.parts[0].runner
+    exported = runner.session_source.model
+    prepared = prepare_model("CUDAExecutionProvider", exported)
+    ops = [n.op_type for n in onnx.load_from_string(prepared).graph.node]
+    assert [n.op_type for n in onnx.load_from_string(exported).graph.node].count("Col2Im") == 1  # x needs no gradient
+    assert "Col2Im" not in ops and ops.count("ConvTranspose") == 1
+    runner.swap_session(ort.InferenceSession(prepared, providers=["CPUExecutionProvider"]))
+    for step in (1, 2):
+        run_step(eager, om, (torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(step)),), seed=step)
+
+
+def test_what_a_subgraph_reads_is_kept_when_unused_nodes_go():
+    """An If's branch reads ``y`` from the outer graph, not through its inputs: ``y``'s node stays."""
+    branch = helper.make_graph([helper.make_node("Identity", ["y"], ["r"])], "then", [],
+                               [helper.make_tensor_value_info("r", TensorProto.FLOAT, [2])])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["r2"])], "else", [],
+                              [helper.make_tensor_value_info("r2", TensorProto.FLOAT, [2])])
+    nodes = [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Neg", ["x"], ["unread"]),
+             helper.make_node("If", ["c"], ["out"], then_branch=branch, else_branch=other)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2]),
+                                           helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2])])
+    _drop_unused(graph)
+    assert [n.op_type for n in graph.node] == ["Relu", "If"]
 
 
 def test_a_small_resnet_trains_on_openvino_like_eager():
