@@ -15,6 +15,8 @@ it is printed as such with both distances.
     python benchmarks/hf_architectures.py              # every architecture (~6 minutes on 2 cores)
     python benchmarks/hf_architectures.py swin whisper # some
     python benchmarks/hf_architectures.py --providers OpenVINOExecutionProvider  # every part on OpenVINO
+    python benchmarks/hf_architectures.py --device cuda  # on a GPU (onnxruntime-gpu's CUDA provider); PyTorch's
+                                                         # TF32 convolutions off, as onnxruntime's follow its matmuls
 """
 
 from __future__ import annotations
@@ -35,6 +37,12 @@ import ortlab
 T = transformers
 V = 320
 RTOL, ATOL = 1e-4, 1e-5
+DEVICE = torch.device("cpu")  # --device
+
+
+def _on_device(batch_fn):  # noqa: ANN001, ANN202
+    """``batch_fn`` with its tensors moved to :data:`DEVICE` (drawn on the CPU, so every device sees the same)."""
+    return lambda g: {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in batch_fn(g).items()}
 
 
 def _loss(out: object) -> torch.Tensor:
@@ -122,7 +130,8 @@ def train_beside_eager(om: ortlab.ORTModule, eager: torch.nn.Module, batch_fn, s
 
 def compare(name: str, model: torch.nn.Module, batch_fn, steps: int = 2, **options: object) -> str:  # noqa: ANN001
     start = time.perf_counter()
-    model.train()
+    model.train().to(DEVICE)
+    batch_fn = _on_device(batch_fn)
     original = copy.deepcopy(model)
     eager = copy.deepcopy(model)
     om = ortlab.ORTModule(model, **options)
@@ -287,6 +296,7 @@ def parse_args(argv: list[str] | None = None, known: Sequence[str] = tuple(CASES
     parser.add_argument("names", nargs="*", metavar="architecture", help="the architectures to check (default: all)")
     parser.add_argument("--providers", help="put every onnxruntime part on these providers, comma-separated "
                                             "(e.g. OpenVINOExecutionProvider); default: ortlab's measured choice")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     args = parser.parse_args(argv)
     unknown = [n for n in args.names if n not in known]
     if unknown:
@@ -298,6 +308,11 @@ def main(argv: list[str] | None = None) -> None:
     warnings.simplefilter("ignore")
     args = parse_args(argv)
     options = {"providers": args.providers.split(",")} if args.providers else {}
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == "cuda":  # Note [TF32 as PyTorch's setting] in ortlab.runtime.cuda
+        torch.backends.cudnn.allow_tf32 = False
+        print(f"GPU: {torch.cuda.get_device_name(DEVICE)}; float32 matmuls and convolutions in full float32")
     names = args.names or list(CASES)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, ortlab {ortlab.__version__}"
           + (f"; providers pinned to {options['providers']}" if options else ""))

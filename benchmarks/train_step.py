@@ -12,6 +12,7 @@ Usage:
     python benchmarks/train_step.py --model gpt --steps 50 --json gpt.json
     python benchmarks/train_step.py --model tiny --contenders eager,compile
     python benchmarks/train_step.py --model gpt --contenders eager,ortlab-cpu,ortlab-openvino
+    python benchmarks/train_step.py --device cuda --model gpt   # on a GPU (onnxruntime-gpu's CUDA provider)
 """
 
 from __future__ import annotations
@@ -57,6 +58,13 @@ MODELS = ("tiny", "mlp", "gpt")
 # 16x16 patches, batch 8) with stochastic depth (drop_path_rate 0.1): a random draw in every residual branch.
 LARGE_MODELS = ("gpt2s", "gpt2s-ignore", "bert", "bert-nodrop", "resnet18", "beit")
 Batch = tuple[torch.Tensor, torch.Tensor]
+# Where the models train (--device); on CUDA every timestamp waits for the GPU's queued work.
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 @dataclass
@@ -248,25 +256,31 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, batch: Batch
                ) -> tuple[float, torch.Tensor, tuple[float, float, float]]:
     """Run one training step; return its wall time in ms, the loss, and the ms of its forward (with
     the loss), backward, and optimizer step with ``zero_grad()``."""
+    _sync()
     start = time.perf_counter()
     loss = model(*batch)
+    _sync()
     forward = time.perf_counter()
     loss.backward()
+    _sync()
     backward = time.perf_counter()
     opt.step()
     opt.zero_grad()
+    _sync()
     end = time.perf_counter()
     return (end - start) * 1e3, loss, ((forward - start) * 1e3, (backward - forward) * 1e3, (end - backward) * 1e3)
 
 
 def matmul_peak_gflops(n: int = 2048, reps: int = 10) -> float:
     """Best fp32 GFLOP/s of an ``n x n`` ``torch.mm`` over ``reps`` timed runs (after one warm-up)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, device=DEVICE), torch.randn(n, n, device=DEVICE)
     torch.mm(a, b)
     best = float("inf")
     for _ in range(reps):
+        _sync()
         start = time.perf_counter()
         torch.mm(a, b)
+        _sync()
         best = min(best, time.perf_counter() - start)
     return 2 * n**3 / best / 1e9
 
@@ -286,9 +300,14 @@ def bench_model(
 ) -> dict[str, Result]:
     """Benchmark every contender on one model; a contender that raises is reported and skipped."""
     base, draw, flops = build_model(name)
+    base = base.to(DEVICE)
     gen = torch.Generator().manual_seed(0)
-    warm_batches = [draw(gen) for _ in range(warmup)]
-    batches = [draw(gen) for _ in range(steps)]
+
+    def drawn() -> tuple:
+        return tuple(t.to(DEVICE) for t in draw(gen))
+
+    warm_batches = [drawn() for _ in range(warmup)]
+    batches = [drawn() for _ in range(steps)]
     results = {c: Result() for c in contenders}
     running: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
 
@@ -391,15 +410,17 @@ def _print_sparsity_bound(batches: list[Batch], flops: float, results: dict[str,
         def forward(self, rows: torch.Tensor, labels: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             return F.cross_entropy(F.linear(rows, w, b), labels)
 
-    w = (torch.randn(50257, 768) * 0.02).requires_grad_()
-    b = torch.zeros(50257, requires_grad=True)
-    rows = torch.randn(tokens, 768, requires_grad=True)
-    labels = torch.randint(0, 50257, (tokens,))
+    w = (torch.randn(50257, 768, device=DEVICE) * 0.02).requires_grad_()
+    b = torch.zeros(50257, device=DEVICE, requires_grad=True)
+    rows = torch.randn(tokens, 768, device=DEVICE, requires_grad=True)
+    labels = torch.randint(0, 50257, (tokens,), device=DEVICE)
     head_module = ortlab.ORTModule(Head(), label_sparsity=False)
     times = []
     for i in range(6):
+        _sync()
         start = time.perf_counter()
         head_module(rows, labels, w, b).backward()
+        _sync()
         if i:
             times.append(time.perf_counter() - start)
     head_ms = statistics.median(times) * 1e3
@@ -458,7 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contenders", default="eager,compile,ortlab", help="comma list of " + ",".join(CONTENDERS))
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     parser.add_argument("--ortlab-first", action="store_true", help="import ortlab before torch (default: torch first)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (ortlab runs its graphs on onnxruntime's CUDA "
+                        "provider there; needs onnxruntime-gpu)")
     args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = sorted(set(contenders) - set(CONTENDERS))
     if unknown:
@@ -470,10 +495,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"torch {torch.__version__}, onnxruntime {onnxruntime.__version__}, torch threads {torch.get_num_threads()}")
     print(f"PyTorch OpenMP spin: {ortlab._openmp.openmp_state()}")
     print(f"CPU: {_cpu_model()}; import order: {'ortlab, torch' if ORTLAB_FIRST else 'torch, ortlab'}")
+    if DEVICE.type == "cuda":
+        print(f"GPU: {torch.cuda.get_device_name(DEVICE)}; onnxruntime providers: "
+              f"{', '.join(onnxruntime.get_available_providers())}; float32 matmuls: "
+              f"{torch.get_float32_matmul_precision()} precision, cuDNN TF32 {torch.backends.cudnn.allow_tf32}")
     from ortlab.runtime.providers import plugin_notes
     for name, note in plugin_notes().items():
         print(f"{name}: {note}")
-    print(f"fp32 matmul peak (2048x2048 torch.mm): {peak:.1f} GFLOP/s")
+    print(f"fp32 matmul peak (2048x2048 torch.mm on {DEVICE.type}): {peak:.1f} GFLOP/s")
     models = MODELS if args.model == "all" else (args.model,)
     all_results: dict[str, dict[str, Result]] = {}
     for name in models:
@@ -487,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch": torch.__version__,
             "onnxruntime": onnxruntime.__version__,
             "threads": torch.get_num_threads(),
+            "device": str(DEVICE),
             "openmp": ortlab._openmp.openmp_state(),
             "matmul_peak_gflops": peak,
             "steps": args.steps,
