@@ -156,3 +156,20 @@ def test_guards_survive_the_on_disk_cache(tmp_path):
     assert sum(g.cached for c in cached.report.captures for g in c.graphs) >= 1
     with pytest.raises(IndexError, match="index out of range in self"):
         cached(torch.tensor([1, -1]))
+
+
+def test_on_cuda_a_guard_is_an_assert_queued_on_the_device():
+    """Note [Index guards on CUDA]: the range tests of ``check`` as asynchronous asserts, which wait for no GPU
+    (on the CPU, where this runs, ``torch._assert_async`` raises at once)."""
+    from ortlab.onnx.guards import IndexGuard, check_on_device
+
+    embedding = IndexGuard("g", "0", "IndexError", "index {index} is out of range in self", 0, "emb (model.py:3)")
+    indexing = IndexGuard("h", "-size", "IndexError", "index {index} is out of bounds for dimension {dim} with size "
+                          "{size}", 0, "x[idx]")
+    check_on_device([embedding, indexing], [torch.tensor([0, 9, 10]), torch.tensor([-10, 9, 10])])
+    with pytest.raises(RuntimeError, match=r"index <index> is out of range in self \(ortlab: emb \(model.py:3\)\)"):
+        check_on_device([embedding], [torch.tensor([0, 10, 10])])
+    with pytest.raises(RuntimeError, match="with size <size>"):
+        check_on_device([embedding, indexing], [torch.tensor([0, 9, 10]), torch.tensor([-11, 0, 10])])
+    with pytest.raises(RuntimeError):
+        check_on_device([embedding], [torch.tensor([-1, 3, 10])])

@@ -50,6 +50,7 @@ __all__ = [
     "FakeTensorMode",
     "unset_fake_temporarily",
     "SDPA_TARGETS",
+    "assert_on_device",
     "MULTILABEL_MARGIN_TARGETS",
     "legacy_reduction",
     "LINEAR_TARGETS",
@@ -221,6 +222,14 @@ def forward_region(joint: torch.fx.GraphModule) -> set[torch.fx.Node]:
 # meets the error while tracing with fake tensors and this logger prints ~20 lines of
 # traceback at ERROR before PyTorch's own error reaches the user (2.1+).
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+# ------------------------------------------------------------------------------- device asserts
+# Note [Index guards on CUDA] in ortlab.onnx.guards: an assert queued on the tensor's device, raised
+# by a later CUDA call as eager's own index checks are (the CPU raises at once). No public spelling;
+# ``torch._assert_async(tensor, msg)`` since 2.1.
+def assert_on_device(ok: torch.Tensor, message: str) -> None:
+    torch._assert_async(ok, message)
+
 
 # ------------------------------------------------------------------------------- attention
 # Note [Fused attention targets]: Dynamo records ``F.scaled_dot_product_attention`` as

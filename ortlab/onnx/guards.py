@@ -35,9 +35,10 @@ import onnx_ir as ir
 import torch
 import torch.fx
 
+from ortlab._compat.torch import assert_on_device
 from ortlab.provenance import module_path, op_name, source_line
 
-__all__ = ["IndexGuard", "add_index_guards", "check"]
+__all__ = ["IndexGuard", "add_index_guards", "check", "check_on_device"]
 
 _LOSSES = ("aten.nll_loss_forward", "aten.nll_loss2d_forward")
 
@@ -214,3 +215,24 @@ def check(guards: list[IndexGuard], results: list[torch.Tensor]) -> None:
         text = guard.message.format(index=index, dim=guard.dim, size=size)
         error = IndexError if guard.error == "IndexError" else RuntimeError
         raise error(f"{text} (ortlab: {guard.where}; PyTorch raises the same error for this input)")
+
+
+# Note [Index guards on CUDA]
+# Reading a guard on the host (``check``) waits for the GPU: after every forward, the host stopped until
+# the forward's kernels had run, so it could not queue the next ones meanwhile. (On an H200 a GPT-2-sized
+# step showed one device-to-host copy of ~13 ms a step, about its forward's GPU time; a guard read after
+# the forward is such a wait, though it was not measured apart.) Eager PyTorch checks indices on the GPU,
+# without waiting: an index out of range there is
+# a device-side assert that a later CUDA call reports. On CUDA the guards do the same: each becomes
+# an asynchronous assert of its range test, queued behind the run; the error is the device-side
+# assert eager gives, with the op and model line in its message, not PyTorch's CPU IndexError.
+
+
+def check_on_device(guards: list[IndexGuard], results: list[torch.Tensor]) -> None:
+    """:func:`check` for guards on a GPU, without waiting for it (Note [Index guards on CUDA]): each range
+    test is an asynchronous assert queued on the current stream."""
+    for guard, result in zip(guards, results):
+        low, high, size = result.unbind()
+        ok = (high < size) & (low >= (-size if guard.lowest == "-size" else 0))
+        text = guard.message.format(index="<index>", dim=guard.dim, size="<size>")
+        assert_on_device(ok, f"{text} (ortlab: {guard.where})")

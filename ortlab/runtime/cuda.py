@@ -15,7 +15,9 @@ the outputs then run after onnxruntime wrote them, and memory the caller frees (
 output that goes back to onnxruntime's arena) is reused only by work queued behind the other
 stream's. This holds whether or not onnxruntime synchronizes its stream at the end of a run.
 (The old ORTModule passed ``torch.cuda.current_stream()``; that is the handle 0 for a plain
-training loop, so its kernels ran unfenced on onnxruntime's own stream.)
+training loop, so its kernels ran unfenced on onnxruntime's own stream.) A session is built for
+PyTorch's current device (``torch.cuda.set_device``, as DDP's processes do), which must be the
+graph's.
 
 Note [TF32 as PyTorch's setting]
 onnxruntime's CUDA provider computes float32 MatMuls and convolutions in TF32 by default on

@@ -29,7 +29,7 @@ from ortlab._compat.onnxruntime import OrtValueVector, RunOptions, ort_device, s
 from ortlab._compat.torch import from_dlpack_capsule, unset_fake_temporarily
 from ortlab._openmp import release_openmp_threads
 from ortlab.errors import InternalError, SessionError
-from ortlab.onnx.guards import IndexGuard, check
+from ortlab.onnx.guards import IndexGuard, check, check_on_device
 from ortlab.runtime.cuda import fences as cuda_fences
 from ortlab.runtime.session import SessionSource
 
@@ -202,6 +202,8 @@ class OrtRunner:
         # onnxruntime's after it (Note [onnxruntime's CUDA stream and PyTorch's] in ortlab.runtime.cuda).
         self._fences = cuda_fences(device) if device.type == "cuda" else None
         self._cpu_device = ort_device("cpu")
+        # Index guards: read on the host, or on CUDA asserted on the GPU (Note [Index guards on CUDA]).
+        self._check = check_on_device if device.type == "cuda" else check
         if len(self.input_names) != len(input_kinds):
             raise InternalError(
                 f"the session has {len(self.input_names)} inputs but the graph has {len(input_kinds)} "
@@ -332,9 +334,9 @@ class OrtRunner:
         return torch.tensor(value, dtype=_SCALAR_DTYPES[kind], device=self.device)
 
     # Note [CPU tensors among a CUDA graph's inputs]
-    # A CUDA graph can take CPU tensors: PyTorch lets a 0-d CPU tensor meet CUDA tensors (a scalar
-    # passed to forward, a plain tensor attribute that ``model.cuda()`` does not move, which
-    # Dynamo lifts into an input). Declared as CUDA memory, onnxruntime read the host pointer on the
+    # A CUDA graph can take CPU tensors: PyTorch lets a 0-d CPU tensor meet CUDA tensors (a plain
+    # tensor attribute that ``model.cuda()`` does not move, which Dynamo lifts into an input;
+    # ``ortlab.capture.aot.graph_device`` lets such graphs through). Declared as CUDA memory, onnxruntime read the host pointer on the
     # GPU ("CUDA failure 1: invalid argument" in an Identity's copy in HF's Mistral; an illegal
     # memory access in BART's). Each input is declared where it is; onnxruntime copies a CPU input
     # to the GPU where a CUDA kernel reads it.
@@ -406,7 +408,7 @@ class OrtRunner:
         if picks is not None:  # Note [The runner's plain calls]
             produced = outputs.to_dlpacks(from_dlpack_capsule)
             if self.guards:
-                check(self.guards, produced[len(produced) - len(self.guards):])  # raises PyTorch's IndexError first
+                self._check(self.guards, produced[len(produced) - len(self.guards):])  # raises PyTorch's IndexError first
             where = (produced, args, _NO_OUTPUT)
             return [where[w][i] for w, i in picks]
         produced = iter(outputs.to_dlpacks(from_dlpack_capsule))
@@ -431,5 +433,5 @@ class OrtRunner:
             else:
                 result.append(bool(t))
         if self.guards:
-            check(self.guards, list(produced))  # raises PyTorch's IndexError before anything is returned
+            self._check(self.guards, list(produced))  # raises PyTorch's IndexError before anything is returned
         return result
