@@ -425,3 +425,24 @@ def test_a_1x1_pool_whose_values_are_read_or_whose_shape_is_unknown_stays():
         outputs = [first.outputs[0], *([pool.outputs[0]] if values_read else [])]
         graph = ir.Graph([x], outputs, nodes=[pool, starts, ends, axes, first], opset_imports={"": 18})
         assert pool_offsets(ir.Model(graph, ir_version=10)) == 0, (values_read, shape)
+
+
+def test_input_gradients_of_stride_1_convolutions_on_large_images_are_blocked_convolutions():
+    """Note [Input gradients as blocked convolutions]: dX of a stride-1 3x3 convolution on a 16x16 image is a
+    convolution of dY with the flipped weight, run blocked; a stride-2 one, or an image under 16x16, keeps its
+    GEMM and Col2Im. Outputs and every gradient (the input's too) match eager's."""
+    block, _ = nchwc_block_size()
+    if not block:
+        pytest.skip("onnxruntime's blocked layout is not available here")
+    torch.manual_seed(0)
+    c = 2 * block
+    model = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(c, c, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1),
+                          nn.Flatten(), nn.Linear(c * 8 * 8, 4))
+    om = squared_loss_parity(model, torch.randn(2, 3, 16, 16))
+    notes = _notes(om)
+    # dX of the first two (16x16, stride 1) convolutions (the input's gradient too) are Convs; the stride-2
+    # one and the 8x8 one keep their Col2Im
+    assert any("2 convolution input gradient(s) run as a convolution with the flipped weight" in n for n in notes), notes
+    (backward,) = [g for cap in om.report.captures for g in cap.graphs if g.name == "backward"]
+    assert backward.onnx_ops.get("Col2Im", 0) == 2, backward.onnx_ops
