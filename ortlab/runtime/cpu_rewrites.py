@@ -721,17 +721,18 @@ def input_gradients(model: ir.Model, block: int) -> int:
             nodes.append(_node("Reshape", [dy, nodes[-1].outputs[0]], col2im))
             nodes.append(_node("Transpose", [nodes[-1].outputs[0]], col2im, perm=[1, 0, 2, 3]))
             dy4 = nodes[-1].outputs[0]
-        nodes.append(_ints([co, c, kh, kw]))
-        nodes.append(_node("Reshape", [w, nodes[-1].outputs[0]], col2im))
-        nodes.append(_node("Transpose", [nodes[-1].outputs[0]], col2im, perm=[1, 0, 2, 3]))
-        for values in ([-1, -1], [_INT64_MIN, _INT64_MIN], [2, 3], [-1, -1]):
-            nodes.append(_ints(values))
-        nodes.append(_node("Slice", [nodes[-5].outputs[0], *(m.outputs[0] for m in nodes[-4:])], col2im))
-        for made, shape in ((nodes[-7], [co, c, kh, kw]), (nodes[-6], [c, co, kh, kw]), (nodes[-1], [c, co, kh, kw])):
-            made.outputs[0].shape, made.outputs[0].dtype = ir.Shape(shape), ir.DataType.FLOAT  # for the blocking
+        # The weight [Co, C*kh*kw] as [C, Co, kh, kw], its taps flipped (a Slice with steps -1).
+        shape4 = _ints([co, c, kh, kw])
+        weight4 = _node("Reshape", [w, shape4.outputs[0]], col2im)
+        swapped = _node("Transpose", [weight4.outputs[0]], col2im, perm=[1, 0, 2, 3])
+        starts, ends, axes, steps = (_ints(v) for v in ([-1, -1], [_INT64_MIN, _INT64_MIN], [2, 3], [-1, -1]))
+        flipped = _node("Slice", [swapped.outputs[0], *(v.outputs[0] for v in (starts, ends, axes, steps))], col2im)
+        nodes += [shape4, weight4, swapped, starts, ends, axes, steps, flipped]
+        for made, shape in ((weight4, [co, c, kh, kw]), (swapped, [c, co, kh, kw]), (flipped, [c, co, kh, kw])):
+            made.outputs[0].shape, made.outputs[0].dtype = ir.Shape(shape), ir.DataType.FLOAT  # the blocking reads them
         if dy4.shape is None:
             dy4.shape, dy4.dtype = ir.Shape([n, co, ho, wo]), ir.DataType.FLOAT
-        conv = _node("Conv", [dy4, nodes[-1].outputs[0]], col2im, name=f"{col2im.name or 'col2im'}{DGRAD_SUFFIX}",
+        conv = _node("Conv", [dy4, flipped.outputs[0]], col2im, name=f"{col2im.name or 'col2im'}{DGRAD_SUFFIX}",
                      pads=[kh - 1 - pt, kw - 1 - pl, kh - 1 - pb, kw - 1 - pr], kernel_shape=[kh, kw])
         nodes.append(conv)
         conv.outputs[0].shape, conv.outputs[0].dtype = out.shape, out.dtype
