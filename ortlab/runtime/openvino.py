@@ -110,11 +110,13 @@ where the scatter's result is a graph output); the other providers run the graph
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-__all__ = ["prepare_for_openvino", "preparation", "MARK"]
+__all__ = ["prepare_for_openvino", "prepare_for_cuda", "preparation", "MARK", "CUDA_MARK"]
 
 # Written into the model's metadata so that a model prepared once (the cache keeps the
 # winner's model) is recognised from its bytes without parsing it again.
@@ -453,27 +455,34 @@ def _rewrite_convolution_parts(graph: onnx.GraphProto, shapes: dict[str, list],
         return 0, 0, 0
     constants = _constants(graph)
     producer = {out: node for node in graph.node for out in node.output}
-    nodes, pools, deconvolutions, swapped = [], 0, 0, 0
+    pools, deconvolutions, swapped = _substitute(graph, (
+        lambda node: _pool_indices(node, shapes, types),
+        lambda node: _deconvolution(node, producer, shapes, constants),
+        lambda node: _swapped_weight_gradient(node, producer, shapes, types, constants)))
+    return pools, deconvolutions, swapped
+
+
+def _substitute(graph: onnx.GraphProto, rewrites: Sequence[Callable[[onnx.NodeProto], list | None]]) -> list[int]:
+    """Each node of ``graph`` replaced by the nodes the first of ``rewrites`` makes for it (``None``: not its
+    pattern), which keep its metadata (provenance); what the replaced nodes read and nothing else does goes.
+    Returns how many nodes each rewrite replaced."""
+    counts, nodes = [0] * len(rewrites), []
     for node in graph.node:
-        made = _pool_indices(node, shapes, types)
-        pools += made is not None
-        if made is None:
-            made = _deconvolution(node, producer, shapes, constants)
-            deconvolutions += made is not None
-        if made is None:
-            made = _swapped_weight_gradient(node, producer, shapes, types, constants)
-            swapped += made is not None
-        if made is None:
+        for i, rewrite in enumerate(rewrites):
+            made = rewrite(node)
+            if made is not None:
+                counts[i] += 1
+                for m in made:
+                    m.metadata_props.extend(node.metadata_props)
+                nodes.extend(made)
+                break
+        else:
             nodes.append(node)
-            continue
-        for m in made:
-            m.metadata_props.extend(node.metadata_props)
-        nodes.extend(made)
-    if pools or deconvolutions or swapped:
+    if any(counts):
         del graph.node[:]
         graph.node.extend(nodes)
         _drop_unused(graph)
-    return pools, deconvolutions, swapped
+    return counts
 
 
 def _empty_index_sets(graph: onnx.GraphProto, shapes: dict[str, list]) -> set[str]:
@@ -550,21 +559,9 @@ def prepare_for_cuda(model: bytes) -> bytes:
     shapes, _ = _shapes_and_types(graph)
     constants = _constants(graph)
     producer = {out: node for node in graph.node for out in node.output}
-    nodes, deconvolutions = [], 0
-    for node in graph.node:
-        made = _deconvolution(node, producer, shapes, constants)
-        if made is None:
-            nodes.append(node)
-            continue
-        deconvolutions += 1
-        for m in made:
-            m.metadata_props.extend(node.metadata_props)
-        nodes.extend(made)
+    (deconvolutions,) = _substitute(graph, (lambda node: _deconvolution(node, producer, shapes, constants),))
     if not deconvolutions:
         return model
-    del graph.node[:]
-    graph.node.extend(nodes)
-    _drop_unused(graph)
     proto.metadata_props.append(onnx.StringStringEntryProto(key=CUDA_MARK,
                                                             value=f"{deconvolutions} Col2Im(s) as ConvTranspose"))
     return proto.SerializeToString()
