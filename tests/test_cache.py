@@ -283,6 +283,9 @@ METADATA_VARIANTS = {
     "a malformed guard": lambda m: _signed({**m, "guards": [{"output": 1}]}),
     "a guard the model lacks": lambda m: _signed({**m, "guards": [_guard("ortlab_guard_0")]}),
     "provenance a list": lambda m: _signed({**m, "provenance": []}),
+    "output_views null": lambda m: _signed({**m, "output_views": None}),
+    "output_views one short": lambda m: _signed({**m, "output_views": [[1]] * (len(m["output_kinds"]) - 1)}),
+    "a view of a negative size": lambda m: _signed({**m, "output_views": [[-1]] * len(m["output_kinds"])}),
 }
 
 

@@ -596,3 +596,30 @@ def test_attention_masks_are_added_as_biases_and_match_eager(mask):
     assert [len(gr.parts) for gr in graphs.values()] == [1, 1]
     assert "Where" not in graphs["backward"].onnx_ops  # the backward masks nothing: p == 0 where masked
     assert graphs["forward"].onnx_ops.get("Add", 0) >= 1
+
+
+def test_weight_gradients_are_viewed_in_pytorch_not_copied_by_a_reshape(tmp_path):
+    """onnxruntime copied a Reshape's input into a graph output (a convolution's weight gradient, a GEMM viewed as
+    [Co, Ci, kh, kw], every step): the output is the GEMM's, viewed by the runner (Note [Graph outputs reshaped in
+    PyTorch]); from the on-disk cache too."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3), nn.Flatten())
+    x = torch.randn(2, 3, 10, 10)
+    for hit in (False, True):
+        om = ortlab.ORTModule(copy.deepcopy(model), cache_dir=str(tmp_path))
+        out, ref = om(x), model(x)
+        torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+        out.pow(2).sum().backward()
+        model.zero_grad()
+        ref.pow(2).sum().backward()
+        for p, q in zip(model.parameters(), om.parameters()):
+            assert q.grad.shape == p.grad.shape
+            torch.testing.assert_close(q.grad, p.grad, rtol=RTOL, atol=ATOL)
+        (backward,) = [p for c in om.report.captures for g in c.graphs if g.name == "backward" for p in g.parts]
+        assert backward.runner.output_views.count((8, 3, 3, 3)) == 1 and backward.runner.output_views.count((4, 8, 3, 3)) == 1
+        assert sum(g.cached for c in om.report.captures for g in c.graphs) == (2 if hit else 0)
+        if not hit:
+            produced = {o.name: n.op_type for n in backward.exported.model.graph for o in n.outputs}
+            assert not {produced.get(v.name) for v in backward.exported.model.graph.outputs} & {"Reshape", "Squeeze",
+                                                                                              "Unsqueeze", "Flatten"}
+        model.zero_grad()

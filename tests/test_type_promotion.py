@@ -99,8 +99,8 @@ def test_one_op_signature_per_onnx_op_exports_the_same_graphs(monkeypatch):
         graphs = []
         original = part_module.export_graph
 
-        def record(gm, name, guard_indices=False):
-            out = original(gm, name, guard_indices)
+        def record(gm, name, guard_indices=False, view_outputs=False):
+            out = original(gm, name, guard_indices, view_outputs)
             graphs.append([(n.op_type, [v.name if v is not None else "" for v in n.inputs],
                             sorted((k, str(a.value)) for k, a in n.attributes.items())) for n in out.model.graph])
             return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Iterator
 
@@ -80,6 +81,8 @@ class ExportedGraph:
         seconds: time the translation took.
         guards: the index guards among the model's outputs, after the graph's own
             outputs (see Note [Index guards] in ``ortlab.onnx.guards``).
+        output_views: per FX output, the shape PyTorch views onnxruntime's tensor as, or
+            ``None`` (Note [Graph outputs reshaped in PyTorch]); empty: no views.
     """
 
     model: ir.Model
@@ -89,6 +92,7 @@ class ExportedGraph:
     output_sources: list[tuple[str, int] | None]
     seconds: float
     guards: list[IndexGuard] = dataclasses.field(default_factory=list)
+    output_views: list[tuple[int, ...] | None] = dataclasses.field(default_factory=list)
 
     @property
     def input_names(self) -> list[str]:
@@ -129,6 +133,34 @@ def _output_nodes(gm: torch.fx.GraphModule) -> list:
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     args = out.args[0]
     return list(args) if isinstance(args, (list, tuple)) else [args]
+
+
+# Note [Graph outputs reshaped in PyTorch]
+# onnxruntime copies a Reshape's input into the graph's output buffer where an intermediate
+# value's Reshape would share its buffer: a convolution's weight gradient, a GEMM's
+# ``[Co, Ci*kh*kw]`` viewed as ``[Co, Ci, kh, kw]``, cost a copy every step (ResNet-18's three
+# ``[512, 4608]`` ones ~1.2 ms each of its backward; a MatMul alone into the output 1.59 ms, with
+# the Reshape after it 2.55 ms). An output that is a Reshape, Squeeze, Unsqueeze or Flatten of a
+# value a node computes is returned as that value, and the runner views it in the FX output's
+# shape (``OrtRunner``'s ``output_views``): a view of a contiguous tensor costs nothing and holds
+# the same floats. Where the value's shape or the output's is symbolic, where it is a graph input
+# (the view would alias it) or a complex or bool tensor, the node stays.
+_VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+
+
+def _output_view(value: ir.Value, val: object, input_index: dict[int, int]) -> tuple[tuple[int, ...] | None, object]:
+    """The shape the runner views an output as, and a meta tensor of the value it returns instead, or
+    ``(None, None)`` (Note [Graph outputs reshaped in PyTorch])."""
+    producer = value.producer()
+    if (producer is None or producer.op_type not in _VIEW_OPS or producer.domain not in ("", "ai.onnx")
+            or not isinstance(val, torch.Tensor) or val.dtype.is_complex or val.dtype == torch.bool
+            or any(type(n) is not int for n in val.shape) or len(value.uses()) > 0):
+        return None, None
+    source = producer.inputs[0]
+    if source is None or id(source) in input_index or source.producer() is None or source.shape is None \
+            or any(type(d) is not int for d in source.shape.dims) or math.prod(source.shape.dims) != val.numel():
+        return None, None
+    return tuple(val.shape), torch.empty(tuple(source.shape.dims), dtype=val.dtype, device="meta")
 
 
 def bypass_output_identities(model: ir.Model) -> int:
@@ -218,7 +250,8 @@ def _number_first_operands(gm: torch.fx.GraphModule) -> None:
             node.args = (tensor, number)
 
 
-def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = False) -> ExportedGraph:
+def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = False,
+                 view_outputs: bool = False) -> ExportedGraph:
     """Translate ``gm`` to ONNX.
 
     Args:
@@ -227,6 +260,9 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
         name: the ONNX graph name.
         guard_indices: add index guards (forward and no-grad graphs; see
             Note [Index guards] in ``ortlab.onnx.guards``).
+        view_outputs: an output that is a reshape of a value the graph computes returns that value,
+            for the runner to view in its shape (``output_views``; Note [Graph outputs reshaped in
+            PyTorch]). For models run by ortlab's runner only.
 
     Raises:
         ExportError: naming the FX node that failed and why.
@@ -270,12 +306,15 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
     output_kinds: list[str | None] = []
     output_dtypes: list[torch.dtype | None] = []
     output_sources: list[tuple[str, int] | None] = []
+    output_views: list[tuple[int, ...] | None] = []
+    viewed: list[ir.Node] = []  # the view ops whose outputs the runner makes instead
     fx_nodes = {n.name: n for n in gm.graph.nodes}
     for i, out in enumerate(_output_nodes(gm)):
         if out is None:
             output_kinds.append(None)
             output_dtypes.append(None)
             output_sources.append(None)
+            output_views.append(None)
             continue
         if not isinstance(out, torch.fx.Node):
             raise ExportError(f"graph {name!r} returns a constant {out!r} at position {i}; not supported")
@@ -296,6 +335,11 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
                 and producer.domain in ("", "ai.onnx") and producer.inputs[0] is not None \
                 and not _is_copy(fx_nodes.get(value.name)):
             value = producer.inputs[0]
+        view, source_val = _output_view(value, val, input_index) if view_outputs else (None, None)
+        if view is not None:
+            viewed.append(value.producer())
+            value = value.producer().inputs[0]
+        output_views.append(view)
         # Inputs returned as they are (AOTAutograd saves parameters for the backward
         # this way) and repeated outputs never cross into onnxruntime: an Identity
         # would copy the whole tensor on every step.
@@ -312,10 +356,14 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
             value = ident.outputs[0]
             value.name = f"{out.name}_out{i}"
         value.dtype = None  # re-derive from the FX value: torchlib's guesses can be off
-        set_value_type(value, val)
+        set_value_type(value, val if view is None else source_val)
         output_sources.append(None)
         graph.outputs.append(value)
 
+    in_outputs = {id(v) for v in graph.outputs}
+    for node in {id(n): n for n in viewed}.values():
+        if not any(v.uses() or id(v) in in_outputs for v in node.outputs):
+            graph.remove(node, safe=False)
     guards = add_index_guards(gm, graph, values) if guard_indices else []
     if not graph.outputs:
         # Every output is an input passed through (dropout in eval, a backward that
@@ -359,4 +407,4 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
     # onnxruntime 1.31 reads IR version <= 13 while torch's exporter targets newer ones.
     model.ir_version = min(model.ir_version, 10)
     return ExportedGraph(model, input_kinds, output_kinds, output_dtypes, output_sources, time.perf_counter() - start,
-                         guards)
+                         guards, output_views if any(v is not None for v in output_views) else [])

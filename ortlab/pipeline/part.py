@@ -211,12 +211,13 @@ class PartBuilder:
         record.notes.extend(rewrite_notes)
         if staged is not None:
             store_entry(entry, staged, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
-                        exported.output_sources, node_provenance(exported.model), exported.guards)
+                        exported.output_sources, node_provenance(exported.model), exported.guards,
+                        exported.output_views)
         self._emit_levels(data, part)
         ops = exported.op_counts()
         self._count(ops)
         runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
-                           exported.output_sources, ctx.device, built.source, exported.guards)
+                           exported.output_sources, ctx.device, built.source, exported.guards, exported.output_views)
         # what another winner runs instead: the graph as exported (Note [The CPU provider races with its rewrites])
         instead = (plain, rewrite_notes, ops, plain_ops) if plain is not None else None
         self._race(runner, part, entry, same, gm, instead)
@@ -230,7 +231,7 @@ class PartBuilder:
         onnx_name = record.name if not part else f"{record.name}_{part}"
         guard = record.name != "backward"  # the backward's indices were checked in the forward
         try:
-            exported = export_graph(gm, onnx_name, guard_indices=guard)
+            exported = export_graph(gm, onnx_name, guard_indices=guard, view_outputs=True)
         except ExportError as e:
             raise self._retry(e, None) from e
         record.export_s += exported.seconds
@@ -242,7 +243,7 @@ class PartBuilder:
             record.optimize_s += optimized.seconds
             if optimized.skipped:  # the model may be half-optimized: export it again, run it as exported
                 record.notes.append(f"{onnx_name} runs as exported: {optimized.skipped}")
-                exported = export_graph(gm, onnx_name, guard_indices=guard)
+                exported = export_graph(gm, onnx_name, guard_indices=guard, view_outputs=True)
                 record.export_s += exported.seconds
             if ctx.stages.wants("onnxscript"):
                 ctx.stages.emit(self._artifact("onnxscript", part, exported.model, optimized.seconds))
@@ -521,7 +522,7 @@ class PartBuilder:
         self._count(count_ops(loaded_model))
         self.record.notes.extend(found_in(loaded_model).notes(self._label(part)))
         runner = OrtRunner(built.session, cached.input_kinds, cached.output_kinds, cached.output_dtypes,
-                           cached.output_sources, ctx.device, built.source, cached.guards)
+                           cached.output_sources, ctx.device, built.source, cached.guards, cached.output_views)
         runner.provenance = cached.provenance
         if decision is not None:
             self._prepared(runner)

@@ -71,8 +71,9 @@ __all__ = ["cache_key", "structure_key", "CacheEntry", "CachedModel", "load_entr
 
 logger = logging.getLogger(__name__)
 
-# 1: the unversioned entries before checksums; 2: format, key, model_sha256 and sha256.
-FORMAT = 2
+# 1: the unversioned entries before checksums; 2: format, key, model_sha256 and sha256; 3: output_views
+# (a model of format 2 may return a reshaped output itself, but an older ortlab would not view a model of 3's).
+FORMAT = 3
 
 _DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
@@ -165,6 +166,7 @@ class CachedModel:
     output_sources: list[tuple[str, int] | None]
     provenance: dict[str, dict[str, str]]
     guards: list[IndexGuard]
+    output_views: list[tuple[int, ...] | None] = dataclasses.field(default_factory=list)
 
 
 def _canonical(meta: dict[str, Any]) -> bytes:
@@ -237,6 +239,7 @@ def _parse(raw: bytes, data: bytes, key: str) -> tuple[str, CachedModel | None]:
         [(s[0], s[1]) if s is not None else None for s in meta["output_sources"]],
         meta["provenance"],
         [IndexGuard.from_dict(g) for g in meta["guards"]],
+        [tuple(v) if v is not None else None for v in meta["output_views"]],
     )
 
 
@@ -276,6 +279,13 @@ def _check_fields(meta: dict[str, Any]) -> str:
     if not isinstance(provenance, dict) or not all(
             isinstance(v, dict) and all(isinstance(x, str) for x in v.values()) for v in provenance.values()):
         return "provenance must map node names to {field: text}"
+    views = meta.get("output_views")
+    if not isinstance(views, list) or (views and len(views) != len(kinds)):
+        return "output_views must be an empty list or one entry per output"
+    for i, view in enumerate(views):
+        if view is not None and (kinds[i] != "tensor" or not isinstance(view, list)
+                                 or not all(_is_int(n) and n >= 0 for n in view)):
+            return f"output_views[{i}] is {view!r}, expected null or a tensor output's shape"
     guards = meta.get("guards")
     if not isinstance(guards, list):
         return "guards must be a list"
@@ -320,7 +330,7 @@ def stage_model(entry: CacheEntry) -> str | None:
 
 def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds: list, output_dtypes: list,
                 output_sources: list, provenance: dict[str, dict[str, str]] | None = None,
-                guards: list[IndexGuard] | None = None) -> bool:
+                guards: list[IndexGuard] | None = None, output_views: list | None = None) -> bool:
     """Commit ``staged`` (the model onnxruntime wrote) as the entry's model, with the runner's metadata.
 
     ``provenance`` maps node names to their source (onnxruntime's optimized model has
@@ -342,6 +352,7 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
             "output_sources": [list(s) if s is not None else None for s in output_sources],
             "provenance": {k: v for k, v in (provenance or {}).items() if any(v.values())},
             "guards": [g.to_dict() for g in guards or []],
+            "output_views": [list(v) if v is not None else None for v in output_views or []],
         }
         meta["sha256"] = _digest(_canonical(meta))
         with folder_lock(entry.folder):

@@ -140,6 +140,8 @@ class OrtRunner:
             session like it (``None``: such tools skip this runner).
         guards: the index guards among the session's last outputs, checked after every
             run (see Note [Index guards] in ``ortlab.onnx.guards``).
+        output_views: per output, the shape its tensor is viewed as, or ``None``; empty for
+            none (Note [Graph outputs reshaped in PyTorch] in ``ortlab.onnx.export``).
     """
 
     def __init__(
@@ -152,6 +154,7 @@ class OrtRunner:
         device: torch.device,
         session_source: SessionSource | None = None,
         guards: list[IndexGuard] | None = None,
+        output_views: list[tuple[int, ...] | None] | None = None,
     ) -> None:
         self.session = session
         self.session_source = session_source
@@ -174,6 +177,8 @@ class OrtRunner:
         self.output_kinds = output_kinds
         self.output_dtypes = output_dtypes
         self.output_sources = output_sources
+        self.output_views = list(output_views or [])
+        self._views = [(i, shape) for i, shape in enumerate(self.output_views) if shape is not None]
         # Note [The runner's plain calls]: what every call would otherwise work out again.
         self._all_tensors = all(k == "tensor" for k in input_kinds)
         self._input_torch = [_NP_TORCH.get(d) if d is not None else None for d in self._input_np]
@@ -410,7 +415,10 @@ class OrtRunner:
             if self.guards:
                 self._check(self.guards, produced[len(produced) - len(self.guards):])  # raises PyTorch's IndexError first
             where = (produced, args, _NO_OUTPUT)
-            return [where[w][i] for w, i in picks]
+            result = [where[w][i] for w, i in picks]
+            for i, shape in self._views:  # Note [Graph outputs reshaped in PyTorch]
+                result[i] = result[i].view(shape)
+            return result
         produced = iter(outputs.to_dlpacks(from_dlpack_capsule))
         result: list = []
         for kind, dtype, source in zip(self.output_kinds, self.output_dtypes, self.output_sources):
@@ -434,4 +442,6 @@ class OrtRunner:
                 result.append(bool(t))
         if self.guards:
             self._check(self.guards, list(produced))  # raises PyTorch's IndexError before anything is returned
+        for i, shape in self._views:  # Note [Graph outputs reshaped in PyTorch]
+            result[i] = result[i].view(shape)
         return result
