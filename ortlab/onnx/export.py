@@ -142,10 +142,13 @@ def _output_nodes(gm: torch.fx.GraphModule) -> list:
 # ``[512, 4608]`` ones ~1.2 ms each of its backward; a MatMul alone into the output 1.59 ms, with
 # the Reshape after it 2.55 ms). An output that is a Reshape, Squeeze, Unsqueeze or Flatten of a
 # value a node computes is returned as that value, and the runner views it in the FX output's
-# shape (``OrtRunner``'s ``output_views``): a view of a contiguous tensor costs nothing and holds
-# the same floats. Where the value's shape or the output's is symbolic, where it is a graph input
-# (the view would alias it) or a complex or bool tensor, the node stays.
+# shape (``OrtRunner``'s ``output_views``): a view of a contiguous tensor holds the same floats.
+# Only outputs of at least 256 KiB: a view is a Python call of ~1 us a step, more than onnxruntime
+# takes to copy a small tensor (the tiny MLP's two bias gradients as views: its step 0.962x).
+# Where the value's shape or the output's is symbolic, where it is a graph input (the view would
+# alias it) or a complex or bool tensor, the node stays.
 _VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten"})
+_VIEW_BYTES = 1 << 18
 
 
 def _output_view(value: ir.Value, val: object, input_index: dict[int, int]) -> tuple[tuple[int, ...] | None, object]:
@@ -154,7 +157,8 @@ def _output_view(value: ir.Value, val: object, input_index: dict[int, int]) -> t
     producer = value.producer()
     if (producer is None or producer.op_type not in _VIEW_OPS or producer.domain not in ("", "ai.onnx")
             or not isinstance(val, torch.Tensor) or val.dtype.is_complex or val.dtype == torch.bool
-            or any(type(n) is not int for n in val.shape) or len(value.uses()) > 0):
+            or any(type(n) is not int for n in val.shape) or len(value.uses()) > 0
+            or val.numel() * val.element_size() < _VIEW_BYTES):
         return None, None
     source = producer.inputs[0]
     if source is None or id(source) in input_index or source.producer() is None or source.shape is None \
