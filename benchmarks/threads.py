@@ -3,9 +3,12 @@
 Three ORTModules of one model train side by side in one process (torch imported first, as
 in users' scripts), steps alternating A B C A B C, medians:
 
-* default: ortlab's settings (onnxruntime's intra-op threads = one per core, its idle
-  threads do not spin: ``session.intra_op.allow_spinning=0`` in ortlab/runtime/session.py);
-* spin: the same with onnxruntime's threads spinning when idle (onnxruntime's default);
+* default: ortlab's settings (onnxruntime's intra-op threads = one per core, spinning between the
+  ops of a run and stopped when it returns: ``session.force_spinning_stop=1``, Note
+  [onnxruntime's threads spin within a run only] in ortlab/runtime/session.py);
+* no-spin: idle threads never spin (``session.intra_op.allow_spinning=0``, ortlab's setting
+  until 2026-11-28);
+* spin: spinning that goes on after a run (onnxruntime's default);
 * ort1thread: one onnxruntime thread per session;
 * omp-spinning: ortlab's settings, but PyTorch's idle OpenMP threads are not released before
   the sessions run (they spin on the cores the session needs; Note [PyTorch's OpenMP spin and
@@ -13,7 +16,7 @@ in users' scripts), steps alternating A B C A B C, medians:
 
 Usage:
     python benchmarks/threads.py gpt 30
-    python benchmarks/threads.py mlp 60
+    python benchmarks/threads.py mlp 60 --variants no-spin   # default against one other, alone
 """
 
 from __future__ import annotations
@@ -31,29 +34,33 @@ import ortlab  # noqa: E402
 import ortlab.runtime.session as session_module  # noqa: E402
 from ortlab.models import GPT, MLP, GPTConfig, make_batch  # noqa: E402
 
-_SPIN = {"on": False}
+_SPIN = {"mode": None}
 _original = session_module._session_options
 
 
 def _with_spin(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the benchmark's one switch
     so = _original(*args, **kwargs)
-    if _SPIN["on"]:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    if _SPIN["mode"] == "no-spin":
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    elif _SPIN["mode"] == "spin":
+        so.add_session_config_entry("session.force_spinning_stop", "0")
     return so
 
 
-def main(which: str, steps: int) -> None:
+def main(which: str, steps: int, only: list[str] | None = None) -> None:
     session_module._session_options = _with_spin
     torch.manual_seed(0)
     if which == "gpt":
         base, draw = GPT(GPTConfig()), (lambda g: make_batch("gpt", 8, g))
     else:
         base, draw = MLP((784, 1024, 1024, 10)), (lambda g: make_batch("mlp", 256, g))
-    variants = {"default": {}, "spin": {"spin": True}, "ort1thread": {"intra_op_num_threads": 1},
-                "omp-spinning": {"keep_omp": True}}
+    variants = {"default": {}, "no-spin": {"spin": "no-spin"}, "spin": {"spin": "spin"},
+                "ort1thread": {"intra_op_num_threads": 1}, "omp-spinning": {"keep_omp": True}}
+    # A variant whose threads spin after its run slows the one measured next: compare two alone.
+    variants = {k: v for k, v in variants.items() if not only or k in only or k == "default"}
     modules = {}
     for name, cfg in variants.items():
-        _SPIN["on"] = cfg.pop("spin", False)
+        _SPIN["mode"] = cfg.pop("spin", None)
         keep_omp = cfg.pop("keep_omp", False)
         m = ortlab.ORTModule(copy.deepcopy(base), **cfg)
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
@@ -68,7 +75,7 @@ def main(which: str, steps: int) -> None:
                     for part in graph.parts:
                         part.runner._release_openmp = None
         modules[name] = (m, opt)
-    _SPIN["on"] = False
+    _SPIN["mode"] = None
     times: dict[str, list[float]] = {n: [] for n in modules}
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -88,5 +95,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="gpt", choices=("gpt", "mlp"), help="default gpt")
     parser.add_argument("steps", nargs="?", type=int, default=30, help="measured steps per variant (default 30)")
+    parser.add_argument("--variants", help="comma-separated variants beside default (default: all)")
     args = parser.parse_args()
-    main(args.model, args.steps)
+    main(args.model, args.steps, args.variants.split(",") if args.variants else None)

@@ -197,13 +197,26 @@ def _session_options(
         so.optimized_model_filepath = optimized_path
     if shared_cpu_arena():
         so.add_session_config_entry("session.use_env_allocators", "1")
-    # onnxruntime's idle threads spin by default, burning the cores PyTorch needs for
-    # the ops between sessions (fallback ops, the optimizer, the data loader).
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    # Note [onnxruntime's threads spin within a run only]
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    so.add_session_config_entry("session.force_spinning_stop", "1")
     # Note [A training step's memory in onnxruntime]
     so.enable_mem_pattern = False
     so.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     return so
+
+
+# Note [onnxruntime's threads spin within a run only]
+# onnxruntime's idle pool threads spin by default, and went on spinning after a run, on the
+# cores PyTorch needed for the ops between sessions (the optimizer, fallback ops, the data
+# loader): the GPT's step 0.79x, the MLP's 0.81x (benchmarks/threads.py, "spin"). Turning
+# spinning off (``allow_spinning=0``, ortlab's setting until 2026-11-28) parks them instead,
+# and every parallel op of a run then waits for them to wake: a training graph's hundreds of
+# short elementwise ops and reductions. ``force_spinning_stop`` stops the spinning when a run
+# returns (onnxruntime's key for "low CPU usage between infrequent requests"): threads spin
+# between the ops of a run and burn nothing after it (a session's 0.2 s idle after its runs: 0.04 CPU
+# seconds with spinning, 0.000 with the stop). The GPT's step 1.037x, ResNet-18's 1.025x, the
+# MLP's 1.015x against ``allow_spinning=0`` (``python benchmarks/threads.py gpt``).
 
 
 # Note [A training step's memory in onnxruntime]
