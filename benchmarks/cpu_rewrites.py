@@ -9,7 +9,8 @@ ortlab with the rewrites replaced by a no-op, and ortlab as it is. Prints what t
     python benchmarks/cpu_rewrites.py --model resnet18 --batch 4 --size 160 --only slices --steps 12
     python benchmarks/cpu_rewrites.py --model gpt --only gelus --steps 30
 
-``--only NAME`` measures one rewrite (``selects``, ``convolutions``, ``slices``, ``gelus``, ``pools``, ``dgrads``): the
+``--only NAME`` measures one rewrite (``selects``, ``convolutions``, ``slices``, ``gelus``, ``pools``, ``dgrads``,
+``broadcasts``): the
 "off" contender runs every rewrite but that one. ``--batch``/``--size`` also resize ``--model resnet18``'s images (16 of 64x64 by default).
 
 ``--torchvision NAME`` takes a torchvision classification model (100 classes, cross-entropy on random
@@ -57,7 +58,7 @@ def _torchvision(name: str, batch: int, size: int):  # noqa: ANN202
 
 
 _ONE = {"selects": "checked_selects", "convolutions": "blocked_convolutions", "slices": "merged_slices",
-        "gelus": "fused_gelus", "pools": "pool_offsets", "dgrads": "input_gradients"}
+        "gelus": "fused_gelus", "pools": "pool_offsets", "dgrads": "input_gradients", "broadcasts": "expanded_broadcasts"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                 for c in wrapped.report.captures:
                     for graph in c.graphs:
                         for note in graph.notes:
-                            if any(k in note for k in ("Where node(s)", "convolution", "Slice(s)", "GELU(s)", "gradient")):
+                            if any(k in note for k in ("Where node(s)", "convolution", "Slice(s)", "GELU(s)", "gradient", "op(s)")):
                                 print(f"  {note}")
             contenders[label] = (wrapped, opt)
     finally:

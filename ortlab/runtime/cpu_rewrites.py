@@ -33,8 +33,8 @@ import onnxruntime as ort
 
 from ortlab.errors import first_line
 
-__all__ = ["CpuRewrites", "blocked_convolutions", "checked_selects", "found_in", "fused_gelus", "input_gradients",
-           "merged_slices", "nchwc_block_size", "pool_offsets", "rewrite_for_cpu"]
+__all__ = ["CpuRewrites", "blocked_convolutions", "checked_selects", "expanded_broadcasts", "found_in", "fused_gelus",
+           "input_gradients", "merged_slices", "nchwc_block_size", "pool_offsets", "rewrite_for_cpu"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class CpuRewrites:
         slices: ``Slice`` nodes of a ``Slice`` now one ``Slice`` of its input.
         gelus: GELUs now one onnxruntime kernel each (``Gelu``, ``FastGelu``).
         input_gradients: convolutions' input gradients (``Col2Im`` of a GEMM) now convolutions.
+        broadcasts: elementwise ops whose per-channel operand is now expanded over the small planes.
     """
 
     selects: int = 0
@@ -61,9 +62,11 @@ class CpuRewrites:
     slices: int = 0
     gelus: int = 0
     input_gradients: int = 0
+    broadcasts: int = 0
 
     def any(self) -> bool:
-        return bool(self.selects or self.convolutions or self.slices or self.gelus or self.input_gradients)
+        return bool(self.selects or self.convolutions or self.slices or self.gelus or self.input_gradients
+                    or self.broadcasts)
 
     def notes(self, where: str) -> list[str]:
         """The report's lines for the graph ``where``."""
@@ -86,6 +89,9 @@ class CpuRewrites:
         if self.input_gradients:
             out.append(f"{where}: {self.input_gradients} convolution input gradient(s) run as a convolution with the "
                        "flipped weight, not a GEMM and a Col2Im (Note [Input gradients as blocked convolutions])")
+        if self.broadcasts:
+            out.append(f"{where}: {self.broadcasts} elementwise op(s) take their per-channel operand expanded over "
+                       "small planes, not broadcast in short spans (Note [Per-channel operands over small planes])")
         return out
 
 
@@ -96,6 +102,7 @@ BLOCKED_SUFFIX = "_blocked_nchwc"
 MERGED_SUFFIX = "_one_slice"
 GELU_SUFFIX = "_one_gelu"
 DGRAD_SUFFIX = "_input_gradient_conv"
+EXPAND_SUFFIX = "_expanded_operand"
 
 
 def found_in(model: onnx.ModelProto) -> CpuRewrites:
@@ -105,7 +112,8 @@ def found_in(model: onnx.ModelProto) -> CpuRewrites:
                        convolutions=sum(n.endswith(BLOCKED_SUFFIX) for n in names),
                        slices=sum(n.endswith(MERGED_SUFFIX) for n in names),
                        gelus=sum(n.endswith(GELU_SUFFIX) for n in names),
-                       input_gradients=sum(n.endswith((DGRAD_SUFFIX, DGRAD_SUFFIX + BLOCKED_SUFFIX)) for n in names))
+                       input_gradients=sum(n.endswith((DGRAD_SUFFIX, DGRAD_SUFFIX + BLOCKED_SUFFIX)) for n in names),
+                       broadcasts=sum(n.endswith(EXPAND_SUFFIX) for n in names))
 
 
 def rewrite_for_cpu(model: ir.Model, level: str) -> CpuRewrites:
@@ -120,6 +128,7 @@ def rewrite_for_cpu(model: ir.Model, level: str) -> CpuRewrites:
     done.selects = checked_selects(model)
     pool_offsets(model)  # a constant computed early, as onnxscript's folding does: not a decision to report
     done.slices = merged_slices(model)
+    done.broadcasts = expanded_broadcasts(model)
     if level in ("extended", "all"):  # the level onnxruntime's own GeluFusion runs from
         done.gelus = fused_gelus(model)
     if level == "all" and any(n.op_type in ("Conv", "Col2Im") and n.domain in ("", "ai.onnx") for n in model.graph):
@@ -742,4 +751,67 @@ def input_gradients(model: ir.Model, block: int) -> int:
         done += 1
     if done:  # the GEMMs and reshapes the Col2Ims read
         ir.passes.common.RemoveUnusedNodesPass()(model)
+    return done
+
+
+# Note [Per-channel operands over small planes]
+# onnxruntime's CPU broadcast of a per-channel operand ``[1, C, 1, 1]`` against ``[N, C, H, W]`` runs
+# one span of H*W elements at a time, and a span's own cost dominates where the planes are small:
+# a batch norm's ``x - mean`` on ResNet-18's ``[16, 512, 2, 2]`` took 170 us, against 15 us for one
+# pass over the same tensor. With the operand expanded first to ``[1, C, H, W]`` (an ``Expand`` of
+# C*H*W elements) the op broadcasts along the batch only, in N spans of C*H*W: 43 us (``[16, 256,
+# 4, 4]``: 104 -> 40 us, ``[16, 128, 8, 8]``: 73 -> 58 us; at 16x16 the expanded form is slower,
+# 44 -> 58 us; AMD EPYC Zen 4, 2 threads). So Add, Sub, Mul and Div whose smaller operand varies in
+# leading dims only, and is broadcast over trailing dims of at most ``MAX_BROADCAST_SPAN`` elements
+# against a full-shaped float operand, take that operand expanded over those trailing dims, once
+# per operand however many ops read it: the same elements meet in the same op, so the result is
+# bit for bit the same. Batch norm's forward and backward on the small feature maps of every CNN
+# are such ops. In a training graph an Expand costs ~20 us, so 8x8 planes (spans of 64) gained
+# nothing: with them ResNet-18's step was 0.998x; with spans up to 16 it is 1.038-1.040x
+# (``python benchmarks/cpu_rewrites.py --model resnet18 --only broadcasts``).
+MAX_BROADCAST_SPAN = 16
+_BROADCAST_OPS = ("Add", "Sub", "Mul", "Div")
+
+
+def expanded_broadcasts(model: ir.Model) -> int:
+    """Give the top graph's elementwise ops over small planes their per-channel operand expanded (Note
+    [Per-channel operands over small planes]); returns how many."""
+    graph = model.graph
+    done = 0
+    expanded: dict[tuple[int, tuple[int, ...]], ir.Value] = {}  # one Expand per operand and shape
+    for node in list(graph):
+        if node.op_type not in _BROADCAST_OPS or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+            continue
+        a, b = node.inputs
+        if a is None or b is None or a.dtype not in _FLOATS or b.dtype != a.dtype:
+            continue
+        shapes = [v.shape for v in (a, b)]
+        if any(sh is None or not all(isinstance(d, int) for d in sh) for sh in shapes):
+            continue
+        sa, sb = (list(sh) for sh in shapes)
+        if len(sa) == len(sb) and sa == sb:
+            continue
+        big, small = (0, 1) if math.prod(sa) >= math.prod(sb) else (1, 0)
+        full, part = (sa, sb) if big == 0 else (sb, sa)
+        part = [1] * (len(full) - len(part)) + part
+        if len(part) != len(full) or any(p not in (1, f) for p, f in zip(part, full)):
+            continue  # not a plain broadcast of the smaller operand against a full-shaped one
+        last = max((i for i, p in enumerate(part) if p != 1), default=None)
+        if last is None or last == len(full) - 1:
+            continue  # a scalar, or an operand that varies along the last dim: long spans already
+        span = math.prod(full[last + 1:])
+        target = part[:last + 1] + full[last + 1:]
+        if span > MAX_BROADCAST_SPAN or math.prod(target) * 2 > math.prod(full):
+            continue
+        operand = node.inputs[small]
+        key = (id(operand), tuple(target))
+        if key not in expanded:
+            shape = _ints(target)
+            expand = _node("Expand", [operand, shape.outputs[0]], node, name=f"{node.name or node.op_type}{EXPAND_SUFFIX}")
+            expand.outputs[0].name = f"{node.outputs[0].name}{EXPAND_SUFFIX}"
+            expand.outputs[0].dtype, expand.outputs[0].shape = a.dtype, ir.Shape(target)
+            graph.insert_before(node, [shape, expand])
+            expanded[key] = expand.outputs[0]
+        node.replace_input_with(small, expanded[key])
+        done += 1
     return done

@@ -25,8 +25,8 @@ import ortlab.pipeline.part as part_module
 from conftest import squared_loss_parity
 from ortlab.runtime import cpu_rewrites
 from ortlab.runtime.cpu_rewrites import (
-    MIN_SELECT_ELEMENTS, CpuRewrites, blocked_convolutions, checked_selects, found_in, fused_gelus, merged_slices,
-    nchwc_block_size, pool_offsets,
+    MIN_SELECT_ELEMENTS, CpuRewrites, blocked_convolutions, checked_selects, expanded_broadcasts, found_in, fused_gelus,
+    merged_slices, nchwc_block_size, pool_offsets,
 )
 from ortlab.config import Options
 from ortlab.runtime.session import optimized_model
@@ -446,3 +446,63 @@ def test_input_gradients_of_stride_1_convolutions_on_large_images_are_blocked_co
     assert any("2 convolution input gradient(s) run as a convolution with the flipped weight" in n for n in notes), notes
     (backward,) = [g for cap in om.report.captures for g in cap.graphs if g.name == "backward"]
     assert backward.onnx_ops.get("Col2Im", 0) == 2, backward.onnx_ops
+
+
+def _broadcast_model(op: str, big: list[int], small: list[int], small_first: bool = False) -> ir.Model:
+    x, s = _value("x", ir.DataType.FLOAT, big), _value("s", ir.DataType.FLOAT, small)
+    first = ir.node(op, [s, x] if small_first else [x, s], name="first")
+    second = ir.node("Mul", [first.outputs[0], s], name="second")  # the same operand again: one Expand for both
+    for n in (first, second):
+        n.outputs[0].dtype, n.outputs[0].shape = ir.DataType.FLOAT, ir.Shape(big)
+    return ir.Model(ir.Graph([x, s], [second.outputs[0]], nodes=[first, second], opset_imports={"": 18}), ir_version=10)
+
+
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div"])
+@pytest.mark.parametrize("small_first", [False, True], ids=["x_op_s", "s_op_x"])
+def test_a_per_channel_operand_over_small_planes_is_expanded_with_the_same_bits(op, small_first):
+    """Note [Per-channel operands over small planes]: a batch norm's [1, C, 1, 1] against [N, C, 2, 2]."""
+    model = _broadcast_model(op, [16, 32, 2, 2], [1, 32, 1, 1], small_first)
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((16, 32, 2, 2)).astype(np.float32),
+             "s": rng.standard_normal((1, 32, 1, 1)).astype(np.float32)}
+    feeds["x"][0, 0, 0, 0], feeds["s"][0, 1] = np.inf, np.nan  # special values pass through the same op
+    want = _run_all(model, feeds)
+    assert expanded_broadcasts(model) == 2
+    expands = [n for n in model.graph if n.op_type == "Expand"]
+    assert len(expands) == 1 and list(expands[0].outputs[0].shape) == [1, 32, 2, 2]
+    assert found_in(ir.to_proto(model)).broadcasts == 1  # counted by its Expand's name in a stored model
+    np.testing.assert_array_equal(_run_all(model, feeds)[0], want[0])
+
+
+@pytest.mark.parametrize("big, small", [
+    ([16, 32, 8, 8], [1, 32, 1, 1]),    # planes of 64 elements: the broadcast's spans are long enough
+    ([16, 32, 2, 2], [1, 1, 1, 1]),     # a scalar
+    ([16, 32, 2, 2], [1, 32, 2, 2]),    # already as long as a plane
+    ([2, 32, 2, 2], [2, 32, 1, 1]),     # the expanded operand would be as large as the result
+    ([16, 32, 2, 4], [1, 1, 1, 4]),     # varies along the last dim: long spans already
+])
+def test_broadcasts_with_long_spans_or_no_saving_stay(big, small):
+    assert expanded_broadcasts(_broadcast_model("Sub", big, small)) == 0
+
+
+def test_batch_norm_on_small_planes_trains_through_expanded_operands_bit_for_bit(monkeypatch):
+    """The same gradients and running statistics, bit for bit, as without the rewrite; the output as eager's.
+    (Their gradients against eager's: batch norm over 8 planes of 2x2 amplifies float32 rounding, as much
+    without the rewrite.)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2,
+                          padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.Flatten())
+    x = torch.randn(8, 3, 4, 4)
+    with_rewrite, copied = ortlab.ORTModule(copy.deepcopy(model)), copy.deepcopy(model)
+    out = with_rewrite(x)
+    torch.testing.assert_close(out, model(x), rtol=RTOL, atol=ATOL)
+    out.pow(2).sum().backward()
+    notes = [n for c in with_rewrite.report.captures for g in c.graphs for n in g.notes]
+    assert sum("per-channel operand expanded" in n for n in notes) == 2, notes  # forward and backward
+    monkeypatch.setattr(cpu_rewrites, "expanded_broadcasts", lambda model: 0)
+    without = ortlab.ORTModule(copied)
+    without(x).pow(2).sum().backward()
+    for (name, a), b in zip(with_rewrite.named_parameters(), without.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    for (name, a), b in zip(with_rewrite.named_buffers(), without.buffers()):
+        assert torch.equal(a, b), name
