@@ -65,33 +65,16 @@ class CpuRewrites:
     broadcasts: int = 0
 
     def any(self) -> bool:
-        return bool(self.selects or self.convolutions or self.slices or self.gelus or self.input_gradients
-                    or self.broadcasts)
+        return any(getattr(self, field) for field, _, _ in _REPORTED)
 
     def notes(self, where: str) -> list[str]:
         """The report's lines for the graph ``where``."""
         out = []
-        if self.selects:
-            out.append(f"{where}: {self.selects} Where node(s) with a full-size condition run as a multiply by the "
-                       "condition, checked for NaN (the select runs instead when one appears; Note [Where as a "
-                       "checked multiply] in ortlab.runtime.cpu_rewrites)")
-        if self.convolutions:
-            out.append(f"{where}: {self.convolutions} convolution(s) run in onnxruntime's blocked (NCHWc) layout, "
-                       "their weights reordered each step (Note [Convolutions in the blocked layout])")
-        if self.why_not_blocked:
-            out.append(f"{where}: convolutions kept in onnxruntime's plain layout: {self.why_not_blocked}")
-        if self.slices:
-            out.append(f"{where}: {self.slices} Slice(s) of a Slice along other axes run as one Slice of its input "
-                       "(Note [One Slice for a window])")
-        if self.gelus:
-            out.append(f"{where}: {self.gelus} GELU(s) run as one onnxruntime kernel each (Gelu, FastGelu), not "
-                       "five or eight elementwise ones (Note [GELU in one kernel])")
-        if self.input_gradients:
-            out.append(f"{where}: {self.input_gradients} convolution input gradient(s) run as a convolution with the "
-                       "flipped weight, not a GEMM and a Col2Im (Note [Input gradients as blocked convolutions])")
-        if self.broadcasts:
-            out.append(f"{where}: {self.broadcasts} elementwise op(s) take their per-channel operand expanded over "
-                       "small planes, not broadcast in short spans (Note [Per-channel operands over small planes])")
+        for field, _, line in _REPORTED:
+            if getattr(self, field):
+                out.append(f"{where}: " + line.format(n=getattr(self, field)))
+            if field == "convolutions" and self.why_not_blocked:
+                out.append(f"{where}: convolutions kept in onnxruntime's plain layout: {self.why_not_blocked}")
         return out
 
 
@@ -105,15 +88,32 @@ DGRAD_SUFFIX = "_input_gradient_conv"
 EXPAND_SUFFIX = "_expanded_operand"
 
 
+# Each counted rewrite: its field of ``CpuRewrites``, the suffixes its nodes' names end in, and its report line.
+_REPORTED: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("selects", (SELECT_SUFFIX,),
+     "{n} Where node(s) with a full-size condition run as a multiply by the condition, checked for NaN (the select "
+     "runs instead when one appears; Note [Where as a checked multiply] in ortlab.runtime.cpu_rewrites)"),
+    ("convolutions", (BLOCKED_SUFFIX,),
+     "{n} convolution(s) run in onnxruntime's blocked (NCHWc) layout, their weights reordered each step (Note "
+     "[Convolutions in the blocked layout])"),
+    ("slices", (MERGED_SUFFIX,),
+     "{n} Slice(s) of a Slice along other axes run as one Slice of its input (Note [One Slice for a window])"),
+    ("gelus", (GELU_SUFFIX,),
+     "{n} GELU(s) run as one onnxruntime kernel each (Gelu, FastGelu), not five or eight elementwise ones (Note "
+     "[GELU in one kernel])"),
+    ("input_gradients", (DGRAD_SUFFIX, DGRAD_SUFFIX + BLOCKED_SUFFIX),
+     "{n} convolution input gradient(s) run as a convolution with the flipped weight, not a GEMM and a Col2Im "
+     "(Note [Input gradients as blocked convolutions])"),
+    ("broadcasts", (EXPAND_SUFFIX,),
+     "{n} elementwise op(s) take their per-channel operand expanded over small planes, not broadcast in short "
+     "spans (Note [Per-channel operands over small planes])"),
+)
+
+
 def found_in(model: onnx.ModelProto) -> CpuRewrites:
     """The rewrites a model (as ortlab or onnxruntime wrote it) holds, counted by their nodes' names."""
     names = [node.name for node in model.graph.node]
-    return CpuRewrites(selects=sum(n.endswith(SELECT_SUFFIX) for n in names),
-                       convolutions=sum(n.endswith(BLOCKED_SUFFIX) for n in names),
-                       slices=sum(n.endswith(MERGED_SUFFIX) for n in names),
-                       gelus=sum(n.endswith(GELU_SUFFIX) for n in names),
-                       input_gradients=sum(n.endswith((DGRAD_SUFFIX, DGRAD_SUFFIX + BLOCKED_SUFFIX)) for n in names),
-                       broadcasts=sum(n.endswith(EXPAND_SUFFIX) for n in names))
+    return CpuRewrites(**{field: sum(n.endswith(suffixes) for n in names) for field, suffixes, _ in _REPORTED})
 
 
 def rewrite_for_cpu(model: ir.Model, level: str) -> CpuRewrites:
