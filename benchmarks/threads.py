@@ -17,6 +17,7 @@ in users' scripts), steps alternating A B C A B C, medians:
 Usage:
     python benchmarks/threads.py gpt 30
     python benchmarks/threads.py mlp 60 --variants no-spin   # default against one other, alone
+    python benchmarks/threads.py resnet18 20 --variants no-spin  # train_step.py's models too
 """
 
 from __future__ import annotations
@@ -52,8 +53,13 @@ def main(which: str, steps: int, only: list[str] | None = None) -> None:
     torch.manual_seed(0)
     if which == "gpt":
         base, draw = GPT(GPTConfig()), (lambda g: make_batch("gpt", 8, g))
-    else:
+    elif which == "mlp":
         base, draw = MLP((784, 1024, 1024, 10)), (lambda g: make_batch("mlp", 256, g))
+    else:  # train_step.py's other models (resnet18, bert, ...), built as it builds them
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from train_step import build_model
+
+        base, draw, _ = build_model(which)
     variants = {"default": {}, "no-spin": {"spin": "no-spin"}, "spin": {"spin": "spin"},
                 "ort1thread": {"intra_op_num_threads": 1}, "omp-spinning": {"keep_omp": True}}
     # A variant whose threads spin after its run slows the one measured next: compare two alone.
@@ -93,7 +99,8 @@ def main(which: str, steps: int, only: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", default="gpt", choices=("gpt", "mlp"), help="default gpt")
+    parser.add_argument("model", nargs="?", default="gpt",
+                        help="gpt (default), mlp, or another of train_step.py's models (resnet18, bert, ...)")
     parser.add_argument("steps", nargs="?", type=int, default=30, help="measured steps per variant (default 30)")
     parser.add_argument("--variants", help="comma-separated variants beside default (default: all)")
     args = parser.parse_args()

@@ -215,8 +215,8 @@ def _session_options(
 # short elementwise ops and reductions. ``force_spinning_stop`` stops the spinning when a run
 # returns (onnxruntime's key for "low CPU usage between infrequent requests"): threads spin
 # between the ops of a run and burn nothing after it (a session's 0.2 s idle after its runs: 0.04 CPU
-# seconds with spinning, 0.000 with the stop). The GPT's step 1.037x, ResNet-18's 1.025x, the
-# MLP's 1.015x against ``allow_spinning=0`` (``python benchmarks/threads.py gpt``).
+# seconds with spinning, 0.000 with the stop). The GPT's step 1.037-1.08x, ResNet-18's 1.020-1.025x,
+# the MLP's 1.011-1.015x against ``allow_spinning=0`` (``python benchmarks/threads.py gpt 30 --variants no-spin``).
 
 
 # Note [A training step's memory in onnxruntime]
