@@ -7,12 +7,15 @@
 * ``views``: a graph output that is a Reshape (Squeeze, Unsqueeze, Flatten) of a computed value
   returned as that value and viewed by the runner (Note [Graph outputs reshaped in PyTorch] in
   ``ortlab/onnx/export.py``) against the Reshape in the graph, which onnxruntime runs as a copy.
+* ``norms``: a training BatchNorm's mean computed once and its centred input used for the variance and
+  the output (Note [A training BatchNorm's mean once] in ``ortlab/capture/decompositions.py``) against
+  torch's decomposition (``var_mean``: two means, and the input centred twice).
 
 Each pair of ORTModules starts from the same weights; the old form is what the module captured
 while the new one was patched out. Losses and gradients of both are compared with eager's, then
 forward + backward steps alternate (old, new, new, old, ...) and the medians are printed.
 
-    python benchmarks/export_forms.py                         # masks on the GPT, views on ResNet-18
+    python benchmarks/export_forms.py                         # masks on the GPT, views and norms on ResNet-18
     python benchmarks/export_forms.py --only views --model gpt --steps 30
 """
 
@@ -34,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import ortlab  # noqa: E402
 import ortlab.capture.aot as aot  # noqa: E402
+import ortlab.capture.decompositions as decompositions  # noqa: E402
 import ortlab.onnx.export as export  # noqa: E402
 from train_step import _cpu_model, build_model  # noqa: E402
 
@@ -67,6 +71,15 @@ def old_form(which: str) -> Iterator[None]:
             yield
         finally:
             aot.sdpa_math = real
+    elif which == "norms":
+        real_norm = decompositions._batch_norm_one_mean
+        decompositions._batch_norm_one_mean = lambda decomposition, functional: decomposition
+        decompositions.decomposition_table.cache_clear()
+        try:
+            yield
+        finally:
+            decompositions._batch_norm_one_mean = real_norm
+            decompositions.decomposition_table.cache_clear()
     else:
         real_view = export._output_view
         export._output_view = lambda *args: (None, None)
@@ -112,12 +125,12 @@ def compare(which: str, model_name: str, steps: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("masks", "views"))
-    parser.add_argument("--model", help="the model (train_step.py's names); default gpt for masks, resnet18 for views")
+    parser.add_argument("--only", choices=("masks", "views", "norms"))
+    parser.add_argument("--model", help="the model (train_step.py's names); default gpt for masks, resnet18 for the others")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args(argv)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; CPU: {_cpu_model()}")
-    for which in (args.only,) if args.only else ("masks", "views"):
+    for which in (args.only,) if args.only else ("masks", "views", "norms"):
         compare(which, args.model or ("gpt" if which == "masks" else "resnet18"), args.steps)
     return 0
 

@@ -227,6 +227,44 @@ def test_batchnorm_eval_mode_parity():
     assert_ran_in_ort(om)
 
 
+class _Norms(nn.Module):
+    """A convolution and a training BatchNorm of each kind, for the one-mean decomposition."""
+
+    def __init__(self, **options: object) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn2d = nn.BatchNorm2d(8, **options)
+        self.bn1d = nn.BatchNorm1d(8, **options)   # on [N, C, L]
+        self.bn0d = nn.BatchNorm1d(8, **options)   # on [N, C]
+        self.bn3d = nn.BatchNorm3d(2, **options)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn2d(self.conv(x)))
+        z = self.bn1d(y.flatten(2)).mean(-1)
+        w = self.bn3d(y.reshape(y.shape[0], 2, 4, *y.shape[2:]))
+        return self.bn0d(z).square().mean() + w.square().mean()
+
+
+@pytest.mark.parametrize("options", [{}, {"affine": False}, {"track_running_stats": False}, {"momentum": None}],
+                         ids=["affine", "no-affine", "no-running-stats", "cumulative-average"])
+def test_training_batchnorms_take_their_mean_once_and_match_eager(options: dict) -> None:
+    """Note [A training BatchNorm's mean once]: outputs, gradients and running statistics as eager's over
+    SGD steps, and each norm's forward is one mean and one mean of squares (torch's ``var_mean``
+    decomposition had computed the mean twice, the second as a ReduceSum)."""
+    seed_all(0)
+    eager, om = twin(_Norms(**options))
+    assert_parity(eager, om, lambda step: ((randn(step, 4, 3, 6, 6),), {}), steps=3, lr=0.1,
+                  grad_atol=BN_GRAD_ATOL)
+    assert_ran_in_ort(om)
+    forwards = [part.exported.model for c in om.report.captures for g in c.graphs if g.label.endswith("forward")
+                for part in g.parts if part.exported is not None]
+    ops = [n.op_type for model in forwards for n in model.graph]
+    if options.get("momentum", 0.1) is None:  # float(num_batches_tracked): a graph break, the norms run in PyTorch
+        assert any(f.scope == "graph_break" for f in om.report.fallbacks)
+        return
+    assert ops.count("ReduceMean") >= 8 and "ReduceSum" not in ops, ops
+
+
 def test_plain_buffers_mutated_in_forward():
     module, inputs = make("buffer_mutation")
     eager, om = twin(module)
