@@ -1,4 +1,4 @@
-"""Two forms of the exported graphs, each against the form it replaced, in one process.
+"""Forms of the exported graphs, each against the form it replaced, in one process.
 
 * ``masks``: a boolean attention mask added to the scores as a bias of the mask's shape (Note
   [Attention masks as additive biases] in ``ortlab/capture/decompositions.py``) against
