@@ -30,6 +30,7 @@ from torch import nn
 
 import ortlab
 from ortlab.errors import ConfigError
+from ortlab.onnx.interface import GraphInterface
 from ortlab.runtime.cache import CacheEntry, load_entry, stage_model, store_entry
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -384,13 +385,13 @@ def test_concurrent_writers_and_readers_of_one_entry(tmp_path, caplog):
             staged = stage_model(entry)
             with open(staged, "wb") as f:
                 f.write(models[w])
-            assert store_entry(entry, staged, ["tensor"] * (w + 1), ["tensor"], [torch.float32], [None])
+            assert store_entry(entry, staged, GraphInterface(["tensor"] * (w + 1), ["tensor"], [torch.float32], [None]))
 
     def read() -> None:
         while not stop.is_set():
             got = load_entry(entry)
             if got is not None:
-                seen.append((got.data, len(got.input_kinds)))
+                seen.append((got.data, len(got.interface.input_kinds)))
 
     with ThreadPoolExecutor(5) as pool:
         readers = [pool.submit(read) for _ in range(2)]
@@ -403,7 +404,7 @@ def test_concurrent_writers_and_readers_of_one_entry(tmp_path, caplog):
     assert not messages(caplog, DROPPED)
     assert seen and all(data == models[n - 1] for data, n in seen)
     final = load_entry(entry)
-    assert final is not None and final.data == models[len(final.input_kinds) - 1]
+    assert final is not None and final.data == models[len(final.interface.input_kinds) - 1]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{'0' * 32}.onnx", f"{'0' * 32}.json",
                                                                  "ortlab-cache.lock"])  # no staged file left
 

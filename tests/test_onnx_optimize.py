@@ -14,6 +14,7 @@ import pytest
 import ortlab
 
 from ortlab.onnx.export import ExportedGraph
+from ortlab.onnx.interface import GraphInterface
 from ortlab.onnx.optimize import optimize_exported
 
 
@@ -25,7 +26,7 @@ def _exported(nodes: list, inits: list) -> ExportedGraph:
         initializer=inits,
     )
     model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 18)])
-    return ExportedGraph(ir.from_proto(model), ["tensor"], ["tensor"], [None], [None], 0.0)
+    return ExportedGraph(ir.from_proto(model), GraphInterface(["tensor"], ["tensor"], [None], [None]), 0.0)
 
 
 def _const(name: str, values: list[int]) -> onnx.TensorProto:

@@ -24,6 +24,7 @@ from ortlab.config import DebugOptions, Options
 from ortlab.errors import OrtlabError, first_line
 from ortlab.inspect._results import GraphRun, NodeComparison, PartRun, compare_tensors
 from ortlab.onnx.export import ExportedGraph
+from ortlab.onnx.interface import GraphInterface
 from ortlab.provenance import module_path, op_name, source_line
 from ortlab.report import GraphRecord
 from ortlab.runtime.observe import GraphObserver
@@ -153,7 +154,8 @@ def onnx_values(
     built = build_session(data, options, DebugOptions(), device_type=device.type,
                           threads=ThreadChoice(threads, "an inspection copy of a graph"))
     kinds: list[str | None] = ["tensor"] * len(names)
-    runner = OrtRunner(built.session, exported.input_kinds, kinds, dtypes, [None] * len(names), device)
+    interface = GraphInterface(exported.interface.input_kinds, kinds, dtypes, [None] * len(names))
+    runner = OrtRunner(built.session, interface, device)
     return dict(zip(names, runner(*inputs)))
 
 

@@ -269,7 +269,7 @@ def write_repro(
         "graph_name": target.graph, "rtol": float(result.rtol), "atol": float(result.atol),
         "graph": graph, "graph_inputs": encode_value(list(run.inputs)), "rng": run.rng,
         "onnx_value": part.values[target.node], "onnx_inputs": encode_value(list(part.inputs)),
-        "onnx_input_kinds": list(part.exported.input_kinds), "op_inputs": op_inputs,
+        "onnx_input_kinds": list(part.exported.interface.input_kinds), "op_inputs": op_inputs,
         "model": _save_model(directory, model, inputs, forward_kwargs, options),
     }
     torch.save(bundle, os.path.join(directory, "bundle.pt"))

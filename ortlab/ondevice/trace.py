@@ -378,7 +378,7 @@ def _name_values(exported: ExportedGraph, inputs: Sequence[str], outputs: Sequen
     graph = exported.model.graph
     produced = iter(list(graph.outputs))
     values: list[ir.Value] = []
-    for kind, source in zip(exported.output_kinds, exported.output_sources):
+    for kind, source in zip(exported.interface.output_kinds, exported.interface.output_sources):
         if kind != "tensor":
             raise ExportError(f"the traced step returns a {kind} where a tensor was expected")
         values.append(next(produced) if source is None else

@@ -41,7 +41,8 @@ from ortlab._compat.torch import (
     unset_fake_temporarily,
 )
 from ortlab.errors import ExportError, first_line
-from ortlab.onnx.guards import IndexGuard, add_index_guards
+from ortlab.onnx.guards import add_index_guards
+from ortlab.onnx.interface import GraphInterface
 from ortlab.provenance import INPUT_KEY, module_path, op_name, source_line
 from ortlab.stages import count_ops
 from ortlab.torchlib import get_registry
@@ -72,27 +73,14 @@ class ExportedGraph:
 
     Attributes:
         model: the ONNX IR model (inputs in FX placeholder order).
-        input_kinds: kind of each FX placeholder (tensor/int/float/bool).
-        output_kinds: kind of each FX output; ``None`` where the graph returns None.
-        output_dtypes: torch dtype of each tensor output (None otherwise).
-        output_sources: where each FX output comes from: ``None`` for the next
-            onnxruntime output, ``("input", i)`` for the i-th input returned as it is,
-            ``("output", j)`` for a repeat of FX output ``j``.
+        interface: how a runner feeds it and reads its outputs back (kinds, dtypes,
+            sources, index guards, views: ``ortlab.onnx.interface``).
         seconds: time the translation took.
-        guards: the index guards among the model's outputs, after the graph's own
-            outputs (see Note [Index guards] in ``ortlab.onnx.guards``).
-        output_views: per FX output, the shape PyTorch views onnxruntime's tensor as, or
-            ``None`` (Note [Graph outputs reshaped in PyTorch]); empty: no views.
     """
 
     model: ir.Model
-    input_kinds: list[str]
-    output_kinds: list[str | None]
-    output_dtypes: list[torch.dtype | None]
-    output_sources: list[tuple[str, int] | None]
+    interface: GraphInterface
     seconds: float
-    guards: list[IndexGuard] = dataclasses.field(default_factory=list)
-    output_views: list[tuple[int, ...] | None] = dataclasses.field(default_factory=list)
 
     @property
     def input_names(self) -> list[str]:
@@ -410,5 +398,6 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
     add_opset_imports(model)
     # onnxruntime 1.31 reads IR version <= 13 while torch's exporter targets newer ones.
     model.ir_version = min(model.ir_version, 10)
-    return ExportedGraph(model, input_kinds, output_kinds, output_dtypes, output_sources, time.perf_counter() - start,
-                         guards, output_views if any(v is not None for v in output_views) else [])
+    views = output_views if any(v is not None for v in output_views) else []
+    interface = GraphInterface(input_kinds, output_kinds, output_dtypes, output_sources, guards, views)
+    return ExportedGraph(model, interface, time.perf_counter() - start)

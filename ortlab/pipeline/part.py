@@ -210,14 +210,11 @@ class PartBuilder:
         rewrite_notes = rewrites.notes(self._label(part))
         record.notes.extend(rewrite_notes)
         if staged is not None:
-            store_entry(entry, staged, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
-                        exported.output_sources, node_provenance(exported.model), exported.guards,
-                        exported.output_views)
+            store_entry(entry, staged, exported.interface, node_provenance(exported.model))
         self._emit_levels(data, part)
         ops = exported.op_counts()
         self._count(ops)
-        runner = OrtRunner(built.session, exported.input_kinds, exported.output_kinds, exported.output_dtypes,
-                           exported.output_sources, ctx.device, built.source, exported.guards, exported.output_views)
+        runner = OrtRunner(built.session, exported.interface, ctx.device, built.source)
         # what another winner runs instead: the graph as exported (Note [The CPU provider races with its rewrites])
         instead = (plain, rewrite_notes, ops, plain_ops) if plain is not None else None
         self._race(runner, part, entry, same, gm, instead)
@@ -521,8 +518,7 @@ class PartBuilder:
         loaded_model = onnx.load_from_string(loaded)
         self._count(count_ops(loaded_model))
         self.record.notes.extend(found_in(loaded_model).notes(self._label(part)))
-        runner = OrtRunner(built.session, cached.input_kinds, cached.output_kinds, cached.output_dtypes,
-                           cached.output_sources, ctx.device, built.source, cached.guards, cached.output_views)
+        runner = OrtRunner(built.session, cached.interface, ctx.device, built.source)
         runner.provenance = cached.provenance
         if decision is not None:
             self._prepared(runner)

@@ -64,6 +64,7 @@ from ortlab._cache_files import (
 from ortlab._compat.torch import unset_fake_temporarily
 from ortlab._versions import cpu_model, library_versions
 from ortlab.onnx.guards import IndexGuard
+from ortlab.onnx.interface import DTYPES, KINDS, GraphInterface
 from ortlab.runtime.session import available_cores
 
 __all__ = ["cache_key", "structure_key", "CacheEntry", "CachedModel", "load_entry", "stage_model", "store_entry", "drop_entry",
@@ -75,10 +76,6 @@ logger = logging.getLogger(__name__)
 # (a model of format 2 may return a reshaped output itself, but an older ortlab would not view a model of 3's).
 FORMAT = 3
 
-_DTYPES = {str(d): d for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                               torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64,
-                               torch.complex128)}
-_KINDS = ("tensor", "int", "float", "bool")
 _GUARD_LOWEST = ("0", "-size")
 _GUARD_ERRORS = ("IndexError", "RuntimeError")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -157,16 +154,11 @@ class CacheEntry:
 
 @dataclasses.dataclass(frozen=True)
 class CachedModel:
-    """A checked entry: the model's bytes and what the runner needs to call it."""
+    """A checked entry: the model's bytes, how the runner calls it, and its nodes' provenance."""
 
     data: bytes
-    input_kinds: list[str]
-    output_kinds: list[str | None]
-    output_dtypes: list[torch.dtype | None]
-    output_sources: list[tuple[str, int] | None]
+    interface: GraphInterface
     provenance: dict[str, dict[str, str]]
-    guards: list[IndexGuard]
-    output_views: list[tuple[int, ...] | None] = dataclasses.field(default_factory=list)
 
 
 def _canonical(meta: dict[str, Any]) -> bytes:
@@ -231,16 +223,7 @@ def _parse(raw: bytes, data: bytes, key: str) -> tuple[str, CachedModel | None]:
     problem = _check_fields(meta)
     if problem:
         return problem, None
-    return "", CachedModel(
-        data,
-        list(meta["input_kinds"]),
-        list(meta["output_kinds"]),
-        [_DTYPES[d] if d is not None else None for d in meta["output_dtypes"]],
-        [(s[0], s[1]) if s is not None else None for s in meta["output_sources"]],
-        meta["provenance"],
-        [IndexGuard.from_dict(g) for g in meta["guards"]],
-        [tuple(v) if v is not None else None for v in meta["output_views"]],
-    )
+    return "", CachedModel(data, GraphInterface.from_json(meta), meta["provenance"])
 
 
 def _is_int(value: object) -> bool:
@@ -251,18 +234,18 @@ def _check_fields(meta: dict[str, Any]) -> str:
     """What is wrong with the runner's fields of ``meta`` ("" if nothing)."""
     inputs, kinds = meta.get("input_kinds"), meta.get("output_kinds")
     dtypes, sources = meta.get("output_dtypes"), meta.get("output_sources")
-    if not isinstance(inputs, list) or any(k not in _KINDS for k in inputs):
-        return f"input_kinds must be a list of {_KINDS}"
+    if not isinstance(inputs, list) or any(k not in KINDS for k in inputs):
+        return f"input_kinds must be a list of {KINDS}"
     for name, value in (("output_kinds", kinds), ("output_dtypes", dtypes), ("output_sources", sources)):
         if not isinstance(value, list):
             return f"{name} must be a list"
     if not len(kinds) == len(dtypes) == len(sources):
         return f"output_kinds, output_dtypes and output_sources have {len(kinds)}, {len(dtypes)}, {len(sources)} items"
     for i, (kind, dtype, source) in enumerate(zip(kinds, dtypes, sources)):
-        if kind is not None and kind not in _KINDS:
-            return f"output_kinds[{i}] is {kind!r}, expected one of {_KINDS} or null"
+        if kind is not None and kind not in KINDS:
+            return f"output_kinds[{i}] is {kind!r}, expected one of {KINDS} or null"
         if (dtype is None) != (kind != "tensor") or (dtype is not None and (not isinstance(dtype, str)
-                                                                            or dtype not in _DTYPES)):
+                                                                            or dtype not in DTYPES)):
             return f"output_dtypes[{i}] is {dtype!r} for a {kind} output"
         if source is None:
             continue
@@ -302,13 +285,14 @@ def _check_fields(meta: dict[str, Any]) -> str:
 def session_mismatch(cached: CachedModel, session: ort.InferenceSession) -> str:
     """How the session of a cached model disagrees with its metadata ("" if it does not)."""
     inputs, outputs = session.get_inputs(), [o.name for o in session.get_outputs()]
-    if len(inputs) != len(cached.input_kinds):
-        return f"the model has {len(inputs)} inputs, the metadata {len(cached.input_kinds)}"
-    produced = sum(1 for k, s in zip(cached.output_kinds, cached.output_sources) if k is not None and s is None)
-    if len(outputs) != produced + len(cached.guards):
-        return (f"the model has {len(outputs)} outputs, the metadata {produced} plus {len(cached.guards)} "
+    interface = cached.interface
+    if len(inputs) != len(interface.input_kinds):
+        return f"the model has {len(inputs)} inputs, the metadata {len(interface.input_kinds)}"
+    produced = sum(1 for k, s in zip(interface.output_kinds, interface.output_sources) if k is not None and s is None)
+    if len(outputs) != produced + len(interface.guards):
+        return (f"the model has {len(outputs)} outputs, the metadata {produced} plus {len(interface.guards)} "
                 "index guards")
-    if [g.output for g in cached.guards] != outputs[produced:]:
+    if [g.output for g in interface.guards] != outputs[produced:]:
         return "the index guards name other outputs than the model's last ones"
     return ""
 
@@ -328,10 +312,9 @@ def stage_model(entry: CacheEntry) -> str | None:
         return None
 
 
-def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds: list, output_dtypes: list,
-                output_sources: list, provenance: dict[str, dict[str, str]] | None = None,
-                guards: list[IndexGuard] | None = None, output_views: list | None = None) -> bool:
-    """Commit ``staged`` (the model onnxruntime wrote) as the entry's model, with the runner's metadata.
+def store_entry(entry: CacheEntry, staged: str, interface: GraphInterface,
+                provenance: dict[str, dict[str, str]] | None = None) -> bool:
+    """Commit ``staged`` (the model onnxruntime wrote) as the entry's model, with how the runner calls it.
 
     ``provenance`` maps node names to their source (onnxruntime's optimized model has
     lost the nodes' ``ortlab.*`` metadata). See Note [Two writers of one entry]. Returns
@@ -346,13 +329,8 @@ def store_entry(entry: CacheEntry, staged: str, input_kinds: list, output_kinds:
             "format": FORMAT,
             "key": entry.key,
             "model_sha256": _digest(model),
-            "input_kinds": list(input_kinds),
-            "output_kinds": list(output_kinds),
-            "output_dtypes": [str(d) if d is not None else None for d in output_dtypes],
-            "output_sources": [list(s) if s is not None else None for s in output_sources],
+            **interface.to_json(),
             "provenance": {k: v for k, v in (provenance or {}).items() if any(v.values())},
-            "guards": [g.to_dict() for g in guards or []],
-            "output_views": [list(v) if v is not None else None for v in output_views or []],
         }
         meta["sha256"] = _digest(_canonical(meta))
         with folder_lock(entry.folder):

@@ -29,7 +29,8 @@ from ortlab._compat.onnxruntime import OrtValueVector, RunOptions, ort_device, s
 from ortlab._compat.torch import from_dlpack_capsule, unset_fake_temporarily
 from ortlab._openmp import release_openmp_threads
 from ortlab.errors import InternalError, SessionError
-from ortlab.onnx.guards import IndexGuard, check, check_on_device
+from ortlab.onnx.guards import check, check_on_device
+from ortlab.onnx.interface import GraphInterface
 from ortlab.runtime.cuda import fences as cuda_fences
 from ortlab.runtime.session import SessionSource
 
@@ -131,34 +132,28 @@ class OrtRunner:
 
     Args:
         session: the session to run.
-        input_kinds: kind of each input (tensor/int/float/bool), in session order.
-        output_kinds: kind of each FX output; ``None`` positions return None.
-        output_sources: per output, ``None`` (next onnxruntime output), ``("input", i)``
-            or ``("output", j)``: see ``ExportedGraph.output_sources``.
+        interface: how its inputs are fed and its outputs read back (``GraphInterface``): the
+            inputs' kinds, the outputs' kinds, dtypes and sources, the index guards among
+            the session's last outputs, checked after every run (Note [Index guards] in
+            ``ortlab.onnx.guards``), and the outputs' views.
         device: where inputs live and outputs are allocated.
         session_source: what the session was built from, for tools that build a
             session like it (``None``: such tools skip this runner).
-        guards: the index guards among the session's last outputs, checked after every
-            run (see Note [Index guards] in ``ortlab.onnx.guards``).
-        output_views: per output, the shape its tensor is viewed as, or ``None``; empty for
-            none (Note [Graph outputs reshaped in PyTorch] in ``ortlab.onnx.export``).
     """
 
     def __init__(
         self,
         session: ort.InferenceSession,
-        input_kinds: list[str],
-        output_kinds: list[str | None],
-        output_dtypes: list[torch.dtype | None],
-        output_sources: list[tuple[str, int] | None],
+        interface: GraphInterface,
         device: torch.device,
         session_source: SessionSource | None = None,
-        guards: list[IndexGuard] | None = None,
-        output_views: list[tuple[int, ...] | None] | None = None,
     ) -> None:
         self.session = session
         self.session_source = session_source
-        self.guards = guards or []
+        self.interface = interface
+        self.guards = list(interface.guards)
+        input_kinds, output_kinds = interface.input_kinds, interface.output_kinds
+        output_dtypes, output_sources = interface.output_dtypes, interface.output_sources
         # Called once, on the first call, with (runner, args): measures other execution
         # providers on the real inputs and swaps in the fastest (``ortlab.runtime.race``).
         self.race: Callable[[OrtRunner, Sequence[object]], list] | None = None
@@ -177,7 +172,7 @@ class OrtRunner:
         self.output_kinds = output_kinds
         self.output_dtypes = output_dtypes
         self.output_sources = output_sources
-        self.output_views = list(output_views or [])
+        self.output_views = list(interface.output_views)
         self._views = [(i, shape) for i, shape in enumerate(self.output_views) if shape is not None]
         # Note [The runner's plain calls]: what every call would otherwise work out again.
         self._all_tensors = all(k == "tensor" for k in input_kinds)

@@ -193,8 +193,7 @@ def test_a_runner_without_a_source_has_no_twin():
     om = ortlab.ORTModule(TinyMLP())
     _train(om)
     runner = _runners(om)[0]
-    bare = OrtRunner(runner.session, runner.input_kinds, runner.output_kinds, runner.output_dtypes,
-                     runner.output_sources, runner.device)
+    bare = OrtRunner(runner.session, runner.interface, runner.device)
     with pytest.raises(SessionError, match="keeps no session_source"):
         profiling_twin(bare, "g0.forward")
 
