@@ -171,6 +171,8 @@ class NodeComparison:
         stats: the error statistics when both sides have a value.
         runtime: where the step computed it: ``onnxruntime`` or ``pytorch`` (a fallback
             op whose value an onnxruntime part received is still compared).
+        note: what a divergence is where the cause is known (Note [Decided the other way on
+            equal inputs] in ``ortlab.inspect._record``), or "".
     """
 
     graph: str
@@ -182,6 +184,7 @@ class NodeComparison:
     status: str
     stats: ErrorStats | None = None
     runtime: str = "onnxruntime"
+    note: str = ""
 
     def describe(self) -> str:
         """One line: where the node is and how far off it is."""
@@ -197,6 +200,8 @@ class NodeComparison:
         )
         if self.status == "diverged" and s.worst_ratio < BORDERLINE:
             text += " - borderline: within 2x of the tolerance, as fp32 rounding can be"
+        if self.note:
+            text += f" - {self.note}"
         return text
 
 

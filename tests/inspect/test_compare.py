@@ -392,3 +392,40 @@ def test_a_borderline_node_is_named_so_and_a_clear_one_comes_first():
     assert result.worst_divergences == [clear, borderline]
     assert "borderline" in borderline.describe() and "borderline" not in clear.describe()
     assert CompareResult(RTOL, ATOL, {}, [], None, [], [], nodes=[borderline]).first_divergence is borderline
+
+
+def _traced(fn, *example):  # noqa: ANN001, ANN202
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(fn)(*example)
+
+
+def test_a_comparison_decided_the_other_way_on_inputs_within_tolerance_says_so():
+    """Note [Decided the other way on equal inputs]: a ReLU's gradient mask (``le``) and a max pool's indices
+    that differ on inputs agreeing within tolerance are the model's float32 conditioning, and the node's
+    comparison says so; on inputs beyond the tolerance it says nothing more."""
+    from ortlab.inspect._record import _decided_on_equal_inputs
+    from ortlab.inspect._results import NodeComparison
+
+    gm = _traced(lambda x: (torch.ops.aten.le.Scalar(torch.ops.aten.detach.default(x), 0),
+                            torch.ops.aten.max_pool2d_with_indices.default(x.view(1, 1, 2, 4), [2, 2], [2, 2])[1]),
+                 torch.zeros(8))
+    le = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.le.Scalar)
+    indices = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "getitem")
+    (x,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    reference = torch.tensor([1.0, -1e-9, 2.0, 3.0, 0.5, 0.5, 0.25, 4.0])
+    close = reference.clone()
+    close[1], close[5] = 1e-9, 0.5 + 1e-8  # the mask's sign and the second window's tie, within rounding
+    far = reference.clone()
+    far[1] = 1e-3
+
+    def values_of(ortlab_x: torch.Tensor):  # noqa: ANN202
+        return lambda arg: (ortlab_x, reference) if arg is x else (None, None)
+
+    for node in (le, indices):
+        note = _decided_on_equal_inputs(node, 1, values_of(close), 1e-4, 1e-5)
+        assert note.startswith("decided the other way at 1 element(s) on inputs that agree within tolerance"), note
+        assert _decided_on_equal_inputs(node, 1, values_of(far), 1e-4, 1e-5) == ""
+    stats = compare_tensors(torch.tensor([False, True]), torch.tensor([False, False]))
+    line = NodeComparison("g0.backward", 3, "le", "aten.le", "blocks.0", "", "diverged", stats, note="why").describe()
+    assert line.endswith("(infx tol) - why"), line
