@@ -241,7 +241,7 @@ def compare_graph(
                     return placeholder_values[arg.name]
                 return onnx_vals.get(arg.name, crossing.get(arg.name)), reference.get(arg.name)
 
-            note = _decided_on_equal_inputs(node, stats.mismatched, values, rtol, atol)
+            note = _decided_on_equal_inputs(node, actual, stats.mismatched, values, rtol, atol)
         result.append(NodeComparison(status="ok" if stats.allclose else "diverged", stats=stats, runtime=runtime,
                                      note=note, **info))
     run = GraphRun(call.where, record.name, gm, inputs, parts, reference, onnx_vals, call.rng)
@@ -256,35 +256,54 @@ def compare_graph(
 # (max abs 1, "inf x tol"), and so does everything computed from it: in a ResNet-18 step one
 # element of 262,144 in a block's ReLU mask flipped, and the stem's weight gradient came out
 # 700 times the tolerance from eager's, while float64 sided with eager on that batch and with
-# ortlab on another. Such a node is not a wrong translation: it is the model's float32
-# conditioning. So where a diverged node has a bool or integer result and every tensor it reads
-# agrees with PyTorch's within the tolerance, its comparison says so (``NodeComparison.note``),
-# instead of leaving the reader to take the first divergence for the culprit.
-def _decided_on_equal_inputs(node: torch.fx.Node, flipped: int,
+# ortlab on another. Such a node is not a wrong translation but the model's float32
+# conditioning, and its comparison says so (``NodeComparison.note``) when both hold:
+# * every tensor it reads agrees with PyTorch's within the tolerance, and
+# * PyTorch's own op, run on onnxruntime's inputs, gives onnxruntime's result exactly: so the
+#   op is translated right, and the difference comes from inputs within rounding of each other.
+# A translation that decides ties otherwise (``lt`` for ``le``, the last maximum's index for the
+# first) fails the second test and gets no such note. Aliases and views onnxruntime keeps no value
+# of (``detach``, ``view``) are recomputed from what they read.
+def _decided_on_equal_inputs(node: torch.fx.Node, actual: torch.Tensor, flipped: int,
                              values: Any, rtol: float, atol: float) -> str:
-    """The note of a diverged bool or integer ``node`` whose tensor inputs (those of the op a ``getitem``
-    reads from) agree within tolerance (Note [Decided the other way on equal inputs]); "" otherwise.
-    ``values(arg)`` gives an FX argument's (onnxruntime, PyTorch) values."""
-    op = node.args[0] if node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node) else node
-    args = _node_args(op)
+    """The note of a diverged bool or integer ``node`` (onnxruntime's value ``actual``) whose inputs agree within
+    tolerance and which PyTorch's op computes from onnxruntime's inputs (Note [Decided the other way on equal
+    inputs]); "" otherwise. ``values(arg)`` gives an FX argument's (onnxruntime, PyTorch) values."""
+    getitem = node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+    op = node.args[0] if getitem else node
+
+    def ortlab_value(arg: torch.fx.Node, depth: int = 0) -> object:
+        value = values(arg)[0]
+        if isinstance(value, torch.Tensor) or arg.op != "call_function" or op_name(arg) not in _ALIASES or depth > 8:
+            return value
+        if not all(isinstance(ortlab_value(a, depth + 1), torch.Tensor) for a in _node_args(arg)):
+            return None
+        args, kwargs = torch.fx.node.map_arg((arg.args, arg.kwargs), lambda a: ortlab_value(a, depth + 1))
+        return arg.target(*args, **kwargs)
+
     floats = 0
-    for arg in args:
-        actual, expected = values(arg)
-        for _ in range(8):  # an alias or view onnxruntime has no value of its own: what it reads, then
-            if isinstance(actual, torch.Tensor) or arg.op != "call_function" or op_name(arg) not in _ALIASES:
-                break
-            arg = _node_args(arg)[0]
-            actual, expected = values(arg)
-        if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+    for arg in _node_args(op):
+        mine, expected = ortlab_value(arg), values(arg)[1]
+        if not isinstance(mine, torch.Tensor) or not isinstance(expected, torch.Tensor):
             return ""
-        if not compare_tensors(actual, expected, rtol=rtol, atol=atol).allclose:
+        if not compare_tensors(mine, expected, rtol=rtol, atol=atol).allclose:
             return ""
         floats += expected.is_floating_point()
-    if not floats:
+    if not floats or not callable(op.target):
         return ""
-    return (f"decided the other way at {flipped} element(s) on inputs that agree within tolerance: values within "
-            "float32 rounding of a threshold or a tie, where the op's result jumps (the model's float32 "
-            "conditioning, not a wrong translation; Note [Decided the other way on equal inputs])")
+    try:
+        with torch.no_grad():
+            args, kwargs = torch.fx.node.map_arg((op.args, op.kwargs), ortlab_value)
+            again = op.target(*args, **kwargs)
+            again = again[node.args[1]] if getitem else again
+    except Exception:  # an op that does not run on these values as they are: no verdict
+        return ""
+    if not isinstance(again, torch.Tensor) or again.shape != actual.shape or not torch.equal(again, actual.to(again)):
+        return ""
+    return (f"decided the other way at {flipped} element(s) on inputs that agree within tolerance, as PyTorch's op "
+            "decides on onnxruntime's inputs: values within float32 rounding of a threshold or a tie, where the op's "
+            "result jumps (the model's float32 conditioning, not a wrong translation; Note [Decided the other way on "
+            "equal inputs])")
 
 
 # Ops whose result holds its input's elements as they are (in another shape or order).

@@ -402,30 +402,53 @@ def _traced(fn, *example):  # noqa: ANN001, ANN202
 
 def test_a_comparison_decided_the_other_way_on_inputs_within_tolerance_says_so():
     """Note [Decided the other way on equal inputs]: a ReLU's gradient mask (``le``) and a max pool's indices
-    that differ on inputs agreeing within tolerance are the model's float32 conditioning, and the node's
-    comparison says so; on inputs beyond the tolerance it says nothing more."""
+    that differ on inputs agreeing within tolerance, as PyTorch's op decides on onnxruntime's inputs, are the
+    model's float32 conditioning, and the node's comparison says so; on inputs beyond the tolerance, or where
+    onnxruntime's result is not what PyTorch's op gives on the same inputs (a tie decided otherwise), it says
+    nothing more."""
     from ortlab.inspect._record import _decided_on_equal_inputs
     from ortlab.inspect._results import NodeComparison
 
-    gm = _traced(lambda x: (torch.ops.aten.le.Scalar(torch.ops.aten.detach.default(x), 0),
-                            torch.ops.aten.max_pool2d_with_indices.default(x.view(1, 1, 2, 4), [2, 2], [2, 2])[1]),
-                 torch.zeros(8))
+    def mask_and_indices(x: torch.Tensor):  # noqa: ANN202
+        pooled = torch.ops.aten.max_pool2d_with_indices.default(x.view(1, 1, 2, 4), [2, 2], [2, 2])
+        return torch.ops.aten.le.Scalar(torch.ops.aten.detach.default(x), 0), pooled[1]
+
+    gm = _traced(mask_and_indices, torch.zeros(8))
     le = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.le.Scalar)
-    indices = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "getitem")
+    indices = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target.__name__ == "getitem"
+                   and n.args[1] == 1)
     (x,) = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    reference = torch.tensor([1.0, -1e-9, 2.0, 3.0, 0.5, 0.5, 0.25, 4.0])
+    reference = torch.tensor([0.5, -1e-9, 2.0, 3.0, 0.25, 0.5, 0.25, 4.0])  # the first window ties: 0.5 twice
     close = reference.clone()
-    close[1], close[5] = 1e-9, 0.5 + 1e-8  # the mask's sign and the second window's tie, within rounding
+    close[1], close[5] = 1e-9, 0.5 + 1e-7  # the mask's sign and the first window's maximum, within rounding
     far = reference.clone()
-    far[1] = 1e-3
+    far[1], far[5] = 1e-3, 0.6
+
+    class _Env(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> object:
+            self.seen[n] = super().run_node(n)
+            return self.seen[n]
+
+    run = _Env(gm)
+    run.seen = {}
+    run.run(reference)  # PyTorch's value of every node; onnxruntime keeps none of the aliases (detach, view)
 
     def values_of(ortlab_x: torch.Tensor):  # noqa: ANN202
-        return lambda arg: (ortlab_x, reference) if arg is x else (None, None)
+        return lambda arg: (ortlab_x if arg is x else None, run.seen[arg])
 
-    for node in (le, indices):
-        note = _decided_on_equal_inputs(node, 1, values_of(close), 1e-4, 1e-5)
-        assert note.startswith("decided the other way at 1 element(s) on inputs that agree within tolerance"), note
-        assert _decided_on_equal_inputs(node, 1, values_of(far), 1e-4, 1e-5) == ""
+    for i, node in enumerate((le, indices)):
+        for ortlab_x, noted in ((close, True), (far, False)):
+            actual = mask_and_indices(ortlab_x)[i]
+            assert not torch.equal(actual, mask_and_indices(reference)[i])
+            note = _decided_on_equal_inputs(node, actual, 1, values_of(ortlab_x), 1e-4, 1e-5)
+            assert note.startswith("decided the other way at 1 element(s) on inputs that agree within tolerance") \
+                if noted else note == "", (node, ortlab_x, note)
+    # The same inputs on both sides, a zero among them, and onnxruntime's mask computed as x < 0 (a wrong
+    # translation of x <= 0): no excuse.
+    wrong = torch.ops.aten.lt.Scalar(reference.clamp_min(0) * torch.sign(reference), 0)
+    same = reference.clamp_min(0) * torch.sign(reference)
+    assert _decided_on_equal_inputs(le, wrong, 1, lambda arg: (same, same) if arg is x else (None, same),
+                                    1e-4, 1e-5) == ""
     stats = compare_tensors(torch.tensor([False, True]), torch.tensor([False, False]))
     line = NodeComparison("g0.backward", 3, "le", "aten.le", "blocks.0", "", "diverged", stats, note="why").describe()
     assert line.endswith("(infx tol) - why"), line
