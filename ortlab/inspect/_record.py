@@ -219,6 +219,14 @@ def compare_graph(
                 crossing[name] = value
     in_torch = {fb.node for fb in record.fallbacks if fb.node} if record.parts else set(nodes)
     in_torch |= {n for n, node in nodes.items() if node.target is operator.getitem and str(node.args[0]) in in_torch}
+    placeholder_values = dict(zip((p.name for p in placeholders), zip(call.inputs, inputs)))
+
+    def values(arg: torch.fx.Node) -> tuple[object, object]:
+        """An FX value's (onnxruntime, PyTorch) values; a placeholder's are what each side's graph received."""
+        if arg.name in placeholder_values:
+            return placeholder_values[arg.name]
+        return onnx_vals.get(arg.name, crossing.get(arg.name)), reference.get(arg.name)
+
     result = []
     for index, node in enumerate(gm.graph.nodes):
         if node.name not in nodes:
@@ -234,13 +242,6 @@ def compare_graph(
         stats = compare_tensors(actual, expected, rtol=rtol, atol=atol)
         note = ""
         if not stats.allclose and not (expected.is_floating_point() or expected.is_complex()):
-            placeholder_values = dict(zip((p.name for p in placeholders), zip(call.inputs, inputs)))
-
-            def values(arg: torch.fx.Node) -> tuple[object, object]:
-                if arg.name in placeholder_values:
-                    return placeholder_values[arg.name]
-                return onnx_vals.get(arg.name, crossing.get(arg.name)), reference.get(arg.name)
-
             note = _decided_on_equal_inputs(node, actual, stats.mismatched, values, rtol, atol)
         result.append(NodeComparison(status="ok" if stats.allclose else "diverged", stats=stats, runtime=runtime,
                                      note=note, **info))
@@ -276,9 +277,10 @@ def _decided_on_equal_inputs(node: torch.fx.Node, actual: torch.Tensor, flipped:
         value = values(arg)[0]
         if isinstance(value, torch.Tensor) or arg.op != "call_function" or op_name(arg) not in _ALIASES or depth > 8:
             return value
-        if not all(isinstance(ortlab_value(a, depth + 1), torch.Tensor) for a in _node_args(arg)):
+        read = {a: ortlab_value(a, depth + 1) for a in _node_args(arg)}
+        if not all(isinstance(v, torch.Tensor) for v in read.values()):
             return None
-        args, kwargs = torch.fx.node.map_arg((arg.args, arg.kwargs), lambda a: ortlab_value(a, depth + 1))
+        args, kwargs = torch.fx.node.map_arg((arg.args, arg.kwargs), read.__getitem__)
         return arg.target(*args, **kwargs)
 
     floats = 0

@@ -151,7 +151,7 @@ class OrtRunner:
         self.session = session
         self.session_source = session_source
         self.interface = interface
-        self.guards = list(interface.guards)
+        self.guards = interface.guards
         input_kinds, output_kinds = interface.input_kinds, interface.output_kinds
         output_dtypes, output_sources = interface.output_dtypes, interface.output_sources
         # Called once, on the first call, with (runner, args): measures other execution
@@ -172,8 +172,7 @@ class OrtRunner:
         self.output_kinds = output_kinds
         self.output_dtypes = output_dtypes
         self.output_sources = output_sources
-        self.output_views = list(interface.output_views)
-        self._views = [(i, shape) for i, shape in enumerate(self.output_views) if shape is not None]
+        self._views = [(i, shape) for i, shape in enumerate(interface.output_views) if shape is not None]
         # Note [The runner's plain calls]: what every call would otherwise work out again.
         self._all_tensors = all(k == "tensor" for k in input_kinds)
         self._input_torch = [_NP_TORCH.get(d) if d is not None else None for d in self._input_np]
