@@ -244,3 +244,41 @@ def test_sessions_allocate_as_they_go_in_the_graphs_order():
         so = runner.session.get_session_options()
         assert so.enable_mem_pattern is False
         assert so.execution_order == ort.ExecutionOrder.PRIORITY_BASED
+
+
+class _Vocab(nn.Module):
+    """An embedding and a head over a 4096-word vocabulary: its gradients scatter into zeros of 2 MiB."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(4096, 128)
+        self.head = nn.Linear(128, 4096)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.head(torch.tanh(self.embed(ids))).flatten(0, 1), labels.flatten())
+
+
+def test_zeros_of_a_vocabulary_size_are_not_folded_into_constants(tmp_path):
+    """Note [No constants of a vocabulary's size]: the embedding's and the loss's gradients are scattered into
+    zeros that onnxruntime built each run (a ConstantOfShape), not into a constant folded into the session
+    (and written with its optimized model); the gradients are eager's."""
+    import onnx
+
+    torch.manual_seed(0)
+    eager = _Vocab()
+    debug = ortlab.DebugOptions(save_onnx=True, onnx_prefix="vocab", save_path=str(tmp_path))
+    om = ortlab.ORTModule(copy.deepcopy(eager), debug_options=debug, label_sparsity=False)
+    ids, labels = torch.randint(0, 4096, (8, 10)), torch.randint(0, 4096, (8, 10))
+    for m in (eager, om):
+        m(ids, labels).backward()
+    for (name, p), q in zip(eager.named_parameters(), om.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+    runners = [r for c in om.report.captures for g in c.graphs for r in g.runners]
+    for runner in runners:
+        limit = runner.session.get_session_options().get_session_config_entry(
+            "optimization.constant_folding_max_output_size_in_bytes")
+        assert limit == str(1 << 20)
+    backward = onnx.load(str(tmp_path / "vocab_backward_execution_train.onnx"))
+    sizes = {i.name: len(i.raw_data) for i in backward.graph.initializer}
+    assert max(sizes.values(), default=0) <= 1 << 20, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+    assert any(n.op_type == "ConstantOfShape" for n in backward.graph.node)
