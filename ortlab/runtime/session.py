@@ -190,10 +190,11 @@ def shared_cpu_arena() -> bool:
 # with it, and each run copied it out again before the scatter, where a ConstantOfShape fills the
 # scatter's own buffer. Folding is capped at 1 MiB of output (onnxruntime's
 # ``optimization.constant_folding_max_output_size_in_bytes``; older versions ignore the entry):
-# smaller constants (shapes, masks, index tables) still fold. On that model with 4 layers: peak RSS
-# 2172 -> 1850 MB, the cache entry 156 -> 2 MB, the first step 9.9-10.0 -> 8.4-8.8 s, the steps
-# alike (fresh processes in turns); a vocabulary of 50257 at d=64 and 1024 rows with label sparsity
-# off: 219 -> 13 MB, RSS 1525 -> 1331 MB, steps alike side by side (0.994x).
+# smaller constants (shapes, masks, index tables) still fold. On that model with 4 layers
+# (benchmarks/fold_limit.py, fresh processes in turns): peak RSS 2171-2173 -> 1846-1854 MB, the cache
+# entry 156 -> 2 MB, the first step 7.2-8.8 s against 7.2-10.0 s; forward and backward 1.017x side
+# by side. A vocabulary of 50257 at d=64 and 1024 rows with label sparsity off: the cache entry
+# 219 -> 13 MB, peak RSS 1525 -> 1331 MB, steps 0.994x side by side.
 _FOLD_LIMIT_BYTES = 1 << 20
 
 
