@@ -7,12 +7,20 @@ also splits its step: the forward (with the loss), the backward, and the optimiz
 ``zero_grad()``, medians each; ``ortlab-cpu`` and ``ortlab-openvino`` pin every graph to one
 engine, which shows where the provider ortlab measured fastest wins or loses against eager.
 
+Turns within one process are fair only if the contenders do not slow each other down, and on the
+large models they do: on a 2-core AMD EPYC Zen 4 the GPT-2-small-sized model's eager step took
+4.9 s in a process of its own and 6.3-6.4 s once an ORTModule had trained in the same process, the
+ORTModule's own step unchanged (2026-11-28, ``benchmarks/results/epyc-zen4/alone.txt``).
+``--alone`` runs each contender in a fresh process of its own instead, the processes in turns
+(A B A B ...) for ``--rounds`` rounds, and compares the medians of the processes' medians.
+
 Usage:
     python benchmarks/train_step.py                       # all models, all contenders
     python benchmarks/train_step.py --model gpt --steps 50 --json gpt.json
     python benchmarks/train_step.py --model tiny --contenders eager,compile
     python benchmarks/train_step.py --model gpt --contenders eager,ortlab-cpu,ortlab-openvino
     python benchmarks/train_step.py --device cuda --model gpt   # on a GPU (onnxruntime-gpu's CUDA provider)
+    python benchmarks/train_step.py --model gpt2s --contenders eager,ortlab --alone --rounds 2 --steps 4 --warmup 2
 """
 
 from __future__ import annotations
@@ -21,7 +29,9 @@ import argparse
 import copy
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -481,7 +491,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ortlab-first", action="store_true", help="import ortlab before torch (default: torch first)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (ortlab runs its graphs on onnxruntime's CUDA "
                         "provider there; needs onnxruntime-gpu)")
+    parser.add_argument("--alone", action="store_true", help="each contender in a fresh process of its own, the "
+                        "processes in turns (the contenders cannot slow each other down)")
+    parser.add_argument("--rounds", type=int, default=2, help="with --alone: processes per contender")
     args = parser.parse_args(argv)
+    if args.alone:
+        return _alone(args, argv if argv is not None else sys.argv[1:])
     global DEVICE
     DEVICE = torch.device(args.device)
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
@@ -525,6 +540,52 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"\nwrote {args.json}")
+    return 0
+
+
+def _alone(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--alone``: every contender in a fresh process of its own, the processes in turns."""
+    models = MODELS if args.model == "all" else (args.model,)
+    contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    # The children get this command line without the options --alone sets for each of them.
+    drop = {"--alone", "--rounds", "--contenders", "--model", "--json"}
+    keep: list[str] = []
+    takes_value = False
+    for a in argv:
+        if takes_value:
+            takes_value = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in drop:
+            takes_value = name != "--alone" and "=" not in a
+            continue
+        keep.append(a)
+    runs: dict[str, dict[str, list[dict]]] = {m: {c: [] for c in contenders} for m in models}
+    print(f"each contender in a fresh process of its own, {args.rounds} round(s) in turns; CPU: {_cpu_model()}")
+    with tempfile.TemporaryDirectory() as folder:
+        for r in range(args.rounds):
+            for name in models:
+                for c in contenders:
+                    out = Path(folder) / f"{name}-{c}-{r}.json"
+                    cmd = [sys.executable, str(Path(__file__).resolve()), "--model", name, "--contenders", c,
+                           "--json", str(out), *keep]
+                    done = subprocess.run(cmd, capture_output=True, text=True)
+                    if done.returncode != 0 or not out.exists():
+                        print(f"  {name} {c} round {r}: failed\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+                        continue
+                    result = json.loads(out.read_text())["models"][name][c]
+                    runs[name][c].append(result)
+                    print(f"  {name} {c} round {r}: median {result['median_ms']:.2f} ms, first step "
+                          f"{result['first_step_ms']:.0f} ms, final loss {result['final_loss']:.4f}", flush=True)
+    for name in models:
+        print(f"\n== {name}, each contender alone ==")
+        print(f"{'contender':12s} {'median ms':>10s} {'vs eager':>9s}  per process")
+        medians = {c: statistics.median(x["median_ms"] for x in rs) for c, rs in runs[name].items() if rs}
+        base = medians.get("eager")
+        for c, m in medians.items():
+            ratio = f"{base / m:8.2f}x" if base else "        -"
+            each = ", ".join(f"{x['median_ms']:.2f}" for x in runs[name][c])
+            print(f"{c:12s} {m:10.2f} {ratio}  {each}")
     return 0
 
 
