@@ -194,7 +194,8 @@ def shared_cpu_arena() -> bool:
 # (benchmarks/fold_limit.py, fresh processes in turns): peak RSS 2171-2173 -> 1846-1854 MB, the cache
 # entry 156 -> 2 MB, the first step 7.2-8.8 s against 7.2-10.0 s; forward and backward 1.017x side
 # by side. A vocabulary of 50257 at d=64 and 1024 rows with label sparsity off: the cache entry
-# 219 -> 13 MB, peak RSS 1525 -> 1331 MB, steps 0.994x side by side.
+# 219 -> 0.4 MB, peak RSS 1525 -> 1307 MB (0.994x side by side with a 16 MiB cap, which still
+# folded the embedding's 13 MB).
 _FOLD_LIMIT_BYTES = 1 << 20
 
 
