@@ -81,7 +81,7 @@ def _layers(name: str, blocks: int, calls: int) -> None:
     finally:
         backend._Handed.__call__ = call  # type: ignore[method-assign]
     runs = _runners_of(model, batch)
-    if len(handed) != 2 or len(runs) != 2 or len(model.report.captures) != 1:
+    if "fn" not in handed or len(runs) != 2 or len(model.report.captures) != 1:
         print(f"{name}: not one graph with one forward and one backward part; no layer breakdown")
         return
     (fw, fw_args), (bw, bw_args) = runs
