@@ -18,9 +18,11 @@ it, and other users of the machine can connect to it, so besides the key:
   is configured (:func:`proxy_prefix`), that come through it: the host of a proxy
   URL, or jupyter-server-proxy's ``X-Forwarded-Prefix`` (``X-Forwarded-Context``,
   ``X-ProxyContextPath``) naming the proxy's path. Others get 403.
-* Idle connections: each connection's socket times out after ``timeout`` seconds
-  (30) of silence, and at most ``max_connections`` (32) are served at once; more
-  are closed at once, so idle connections cannot pile up threads.
+* Slow clients: a request's line and headers must all arrive within ``timeout``
+  seconds (30) of its connection, and each 1 MiB of an answer must be taken within
+  ``timeout``; at most ``max_connections`` (32) are served at once, and a connection
+  beyond them closes the one that has waited longest without progress, never itself
+  (Note [A slow client holds no slot]).
 * Files: a registered file is resolved (:func:`os.path.realpath`) when it is
   registered; a request is answered only while the name still resolves there, and
   the file is opened with ``O_NOFOLLOW`` and must be a regular file: a file
@@ -34,16 +36,20 @@ it, and other users of the machine can connect to it, so besides the key:
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import hashlib
 import hmac
 import http.server
+import io
 import logging
 import math
 import os
 import re
 import secrets
+import socket
 import stat
 import threading
+import time
 import urllib.parse
 import weakref
 from typing import Any
@@ -99,10 +105,15 @@ def host_allowed(headers: Any, port: int, proxy: bool | str | None) -> bool:
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server_version = "ortlab-netron"
+    server: _HTTPServer
 
     def setup(self) -> None:
-        self.timeout = self.server.owner.timeout  # type: ignore[attr-defined]  # every read and write of the socket
+        self.timeout = self.server.owner.timeout
         super().setup()
+        self._conn = self.server.connection(self.request)
+        # The request's line and headers are read against one deadline (Note [A slow client holds no slot]).
+        self.rfile.close()  # the makefile's reader, which only a per-read timeout would bound
+        self.rfile = io.BufferedReader(_HeadReader(self.connection, self._conn.head_deadline))
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         self._answer(send_body=True)
@@ -119,7 +130,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(text)
 
     def _answer(self, send_body: bool) -> None:
-        owner = self.server.owner  # type: ignore[attr-defined]
+        owner = self.server.owner
+        if not self.server.answering(self._conn):
+            return  # cut for a newer connection while its head came in
+        self.connection.settimeout(owner.timeout)  # each part of the answer, from here on
         if not host_allowed(self.headers, self.server.server_address[1], owner.proxy):
             logger.debug("netron server: refused a request for host %r", self.headers.get("Host"))
             self._refuse(403, b"forbidden: this server answers requests to 127.0.0.1 or localhost, "
@@ -162,39 +176,162 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             view = memoryview(body)
             for start in range(0, len(view), 1 << 20):
                 self.wfile.write(view[start:start + (1 << 20)])
+                self._conn.progress = time.monotonic()  # taken: not the stalest (Note [A slow client holds no slot])
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
         logger.debug("netron server: " + format, *args)
 
 
+# Note [A slow client holds no slot]
+# Each connection is served by a thread of its own, and threads are bounded
+# (``max_connections``), so a slot must never be something a client can keep by being
+# slow: 32 local connections that each sent one header line a second (slowloris)
+# used to keep every slot past ``timeout``, since the socket's timeout bounded each
+# read, not the request, and a connection beyond the slots was the one closed, so
+# real requests got no reply for as long as the trickle went on.
+#
+# * The request's line and headers are read against one deadline, ``timeout`` from
+#   the accept (``_HeadReader``: each read gets what is left of it), so trickling
+#   bytes buys nothing. The server answers HTTP/1.0, one request a connection, so
+#   the deadline is the request's.
+# * When every slot is taken, a new connection cuts (``shutdown``: its blocked
+#   ``recv`` or ``send`` returns at once) the connection that has gone longest
+#   without progress: one still sending its head has made none since its accept (a
+#   head is one small packet from a real client), an answering one since its last
+#   1 MiB part was taken (a client that stops reading, the slow-read form, is cut
+#   too). The newcomer waits for the cut thread to end (milliseconds, at most
+#   ``_CUT_WAIT``), so threads stay at ``max_connections``; only then is a
+#   newcomer closed unanswered. Whoever holds slots by being slow gives them up to
+#   the next real request; only a flood of new connections, faster than a real
+#   request is answered, can still crowd one out, and any local user can do worse.
+# * An answer's parts keep a timeout each, not one deadline: a large model through
+#   a slow proxy may take longer than ``timeout`` as a whole.
+# * ``stop()`` cuts every connection and joins their threads: none is left blocked
+#   on a silent client.
+# The registry of connections is what makes the cut safe: a connection leaves it
+# (under its lock) before its socket is closed, so a cut never reaches a closed
+# socket's reused file descriptor.
+
+_CUT_WAIT = 1.0  # seconds a new connection waits for a cut one's thread to end
+
+
+@dataclasses.dataclass(eq=False)
+class _Connection:
+    """An accepted connection and how far it got (Note [A slow client holds no slot])."""
+
+    sock: socket.socket
+    head_deadline: float  # time.monotonic() by which the request's line and headers must be in
+    progress: float  # time.monotonic() of its last progress: accepted, head in, each part of the answer taken
+    thread: threading.Thread | None = None
+    cut: bool = False
+
+    def shut(self) -> None:
+        """Wake its thread's blocked read or write with end-of-file; the thread then ends."""
+        self.cut = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # not connected any more
+            pass
+
+
+class _HeadReader(io.RawIOBase):
+    """A socket's reads, each given what is left until ``deadline`` (Note [A slow client holds no slot])."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        super().__init__()
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request's line and headers did not arrive in time")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
 class _HTTPServer(http.server.ThreadingHTTPServer):
-    """One thread per connection, at most ``owner.max_connections`` at once (more are closed)."""
+    """One thread per connection, at most ``owner.max_connections`` at once; a connection beyond
+    them cuts the stalest (Note [A slow client holds no slot])."""
 
     daemon_threads = True
+    block_on_close = False  # stop() cuts the connections, then joins their threads (close_connections)
     request_queue_size = 64  # listen() backlog: a page opens many connections at once
-    owner: NetronServer
-    slots: threading.BoundedSemaphore
+
+    def __init__(self, owner: NetronServer, address: tuple[str, int]) -> None:
+        self.owner = owner
+        self._open: dict[socket.socket, _Connection] = {}
+        self._changed = threading.Condition()  # guards _open and _closing; notified when one leaves
+        self._closing = False
+        super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
-            logger.debug("netron server: %d connections open; closing one more from %s",
-                         self.owner.max_connections, client_address)
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self.slots.release()
-            raise
+        accepted = time.monotonic()
+        with self._changed:
+            until = accepted + _CUT_WAIT
+            while not self._closing and len(self._open) >= self.owner.max_connections:
+                live = [c for c in self._open.values() if not c.cut]
+                leaving, needed = len(self._open) - len(live), len(self._open) - self.owner.max_connections + 1
+                if live and leaving < needed:  # else: those cut already make room once their threads end
+                    stalest = min(live, key=lambda c: c.progress)
+                    logger.debug("netron server: %d connections open; cutting one %.1f s without progress",
+                                 len(self._open), accepted - stalest.progress)
+                    stalest.shut()
+                left = until - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(left)
+            if self._closing or len(self._open) >= self.owner.max_connections:
+                logger.debug("netron server: no slot for a connection from %s; closed", client_address)
+                self.shutdown_request(request)
+                return
+            conn = self._open[request] = _Connection(request, accepted + self.owner.timeout, accepted)
+            conn.thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                                           name=f"{threading.current_thread().name}-conn", daemon=True)
+            try:
+                conn.thread.start()
+            except BaseException:
+                del self._open[request]
+                self.shutdown_request(request)
+                raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
         finally:
-            self.slots.release()
+            with self._changed:  # out of the registry before closed: a cut never meets a reused descriptor
+                self._open.pop(request, None)
+                self._changed.notify_all()
+            self.shutdown_request(request)
+
+    def connection(self, request: socket.socket) -> _Connection:
+        with self._changed:
+            return self._open[request]
+
+    def answering(self, conn: _Connection) -> bool:
+        """Its head is in: progress, unless it was cut meanwhile."""
+        with self._changed:
+            conn.progress = time.monotonic()
+            return not conn.cut
+
+    def close_connections(self, timeout: float) -> None:
+        """Take no more connections, cut every open one and wait (at most ``timeout``) for their threads."""
+        with self._changed:
+            self._closing = True
+            for conn in self._open.values():
+                conn.shut()
+            threads = [c.thread for c in self._open.values() if c.thread is not None]
+            self._changed.notify_all()
+        until = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, until - time.monotonic()))
 
     def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client gone or silent past the timeout mid-answer: a debug line, not a traceback on stderr.
+        # A client gone, cut or silent past the timeout mid-answer: a debug line, not a traceback on stderr.
         logger.debug("netron server: a connection from %s failed", client_address, exc_info=True)
 
 
@@ -234,8 +371,10 @@ class NetronServer:
         host: address to bind (keep the default: the server has no authentication).
         port: 0 picks a free port.
         proxy: how the browser reaches the server, see :func:`proxy_prefix`.
-        timeout: seconds a connection may stay silent before it is closed.
-        max_connections: connections served at once (see Note [What the netron server answers]).
+        timeout: seconds a request's line and headers may take to arrive from its connection, and
+            each 1 MiB of an answer to be taken.
+        max_connections: connections served at once; one more cuts the stalest (see Note [A slow
+            client holds no slot]).
 
     Example:
         >>> with NetronServer() as server:                        # doctest: +SKIP
@@ -264,8 +403,7 @@ class NetronServer:
         if self.running:
             return self
         netron_dir()  # fail early, with the install hint
-        httpd = _HTTPServer((self.host, self._port), _Handler)
-        httpd.owner, httpd.slots = self, threading.BoundedSemaphore(self.max_connections)
+        httpd = _HTTPServer(self, (self.host, self._port))
         self._httpd = httpd
         self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2},
                                         name=f"ortlab-netron-{httpd.server_address[1]}", daemon=True)
@@ -278,6 +416,7 @@ class NetronServer:
         httpd, thread = self._httpd, self._thread
         self._httpd = self._thread = None
         if httpd is not None:
+            httpd.close_connections(timeout=5)  # none left blocked on a client (Note [A slow client holds no slot])
             httpd.shutdown()
             httpd.server_close()
         if thread is not None:
