@@ -3,7 +3,9 @@
 torchlib's translation leaves many small nodes (shape arithmetic, Constant nodes,
 ``SplitToSequence`` + ``SequenceAt`` for every ``split``). onnxscript's optimizer folds
 constants and these patterns (the GPT's forward went from 804 to 207 nodes, its step
-~3% faster). It also makes the saved ``onnxscript`` stage readable.
+~3% faster). It also makes the saved ``onnxscript`` stage readable. Its rewrite rules
+change no number: their constants are matched exactly, not within onnxscript's 1e-5
+(``x + 1e-8`` stays; Note [Pattern constants matched exactly] in ``ortlab._compat.onnxscript``).
 
 The optimizer is best effort: when it raises, or changes the graph's inputs or outputs
 (which the runtime feeds by position), the result says why, and the caller runs the

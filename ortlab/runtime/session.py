@@ -25,6 +25,7 @@ import onnxruntime as ort
 
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import DeviceError, SessionError, first_line
+from ortlab.runtime.fusions import FusionChoice, left_out
 from ortlab.runtime.providers import bf16_provider, cpu_candidates, is_plugin, plugin, plugin_options, prepare_model
 
 __all__ = [
@@ -268,6 +269,8 @@ class SessionSource:
         log_severity: onnxruntime's log severity.
         cache_dir: the ``cache_dir`` option: a plugin provider that compiles (OpenVINO) keeps
             its compiled models in a folder inside it (Note [OpenVINO's compiled-model cache]).
+        fusions: the onnxruntime optimizations the model goes without, and why (Note
+            [onnxruntime's fusions that change a formula] in ``ortlab.runtime.fusions``).
     """
 
     model: bytes | str = dataclasses.field(repr=False)
@@ -276,6 +279,7 @@ class SessionSource:
     threads: int | None
     log_severity: int
     cache_dir: str | None = None
+    fusions: FusionChoice = FusionChoice()
 
     def rebuild(self, *, profile_prefix: str | None = None, quiet: bool = False) -> BuiltSession:
         """Another session of the same model and settings (a profiling twin with ``profile_prefix``).
@@ -349,8 +353,10 @@ def build_session(
     if options.profile and profile_prefix is None:
         profile_prefix = unique_profile_prefix()
     severity = 4 if quiet else (debug or DebugOptions()).log_level.to_ort_severity()
-    source = SessionSource(model, level or options.graph_optimization_level, choice.providers, threads.threads,
-                           severity, options.cache_dir)
+    level = level or options.graph_optimization_level
+    # Note [onnxruntime's fusions that change a formula]; at level "disable" onnxruntime runs none
+    fusions = left_out(model) if level != "disable" else FusionChoice()
+    source = SessionSource(model, level, choice.providers, threads.threads, severity, options.cache_dir, fusions)
     built = _build(source, optimized_path, profile_prefix)
     return dataclasses.replace(built, providers=choice, threads=threads)
 
@@ -365,7 +371,8 @@ def _build(source: SessionSource, optimized_path: str | None, profile_prefix: st
             so.add_provider_for_devices(list(ep.devices), plugin_options(ep, source.cache_dir))
             # The plugin's own model (Note [Wide MatMuls for OpenVINO]); the source names what the session holds.
             source = dataclasses.replace(source, model=prepare_model(source.providers[0], source.model))
-            session = ort.InferenceSession(source.model, sess_options=so)
+            session = ort.InferenceSession(source.model, sess_options=so,
+                                           disabled_optimizers=list(source.fusions.left_out))
         else:
             missing = [p for p in source.providers if p not in ort.get_available_providers()]
             if missing:
@@ -374,7 +381,8 @@ def _build(source: SessionSource, optimized_path: str | None, profile_prefix: st
             if source.providers and source.providers[0] == "CUDAExecutionProvider":
                 source = dataclasses.replace(source, model=prepare_model(source.providers[0], source.model))
             session = ort.InferenceSession(source.model, sess_options=so,
-                                           providers=[_with_options(p) for p in source.providers])
+                                           providers=[_with_options(p) for p in source.providers],
+                                           disabled_optimizers=list(source.fusions.left_out))
         if source.providers and source.providers[0] not in session.get_providers():
             # onnxruntime falls back to the CPU provider for an unknown one, printing to stdout only.
             raise SessionError(f"onnxruntime has no {source.providers[0]} here (it would have run on "
