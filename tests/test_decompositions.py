@@ -594,7 +594,9 @@ def test_attention_masks_are_added_as_biases_and_match_eager(mask):
     assert not om.report.fallbacks
     graphs = {gr.name: gr for c in om.report.captures for gr in c.graphs}
     assert [len(gr.parts) for gr in graphs.values()] == [1, 1]
-    assert "Where" not in graphs["backward"].onnx_ops  # the backward masks nothing: p == 0 where masked
+    # the backward masks nothing (p == 0 where masked); with a mask, one Where of condition [..., L, 1] zeroes
+    # the gradient of fully masked rows (Note [Fully masked rows of attention])
+    assert graphs["backward"].onnx_ops.get("Where", 0) == (0 if m is None else 1)
     assert graphs["forward"].onnx_ops.get("Add", 0) >= 1
 
 

@@ -31,6 +31,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from ortlab._compat.onnxscript import exact_rules
 from ortlab.errors import first_line
 
 __all__ = ["CpuRewrites", "blocked_convolutions", "checked_selects", "expanded_broadcasts", "found_in", "fused_gelus",
@@ -154,9 +155,22 @@ def rewrite_for_cpu(model: ir.Model, level: str) -> CpuRewrites:
 # or kept a NaN. So the rewrite computes the product, sums it (one NaN makes the sum NaN),
 # and an ``If`` keeps the product when the sum is not NaN and runs the original ``Where``
 # when it is. The result is the select's in every case; only a step whose select meets an
-# inf or a NaN pays for both. Only the sign of a zero may differ (``-0 + 0`` is ``+0``), as
-# onnxruntime's own ``Where`` does: it returns ``+0`` for a selected ``-0``; ``-0 == 0``.
-# A one-element constant 0 operand drops its term (``threshold_backward``: ``g * !c``).
+# inf or a NaN pays for both. A one-element constant +0 operand drops its term
+# (``threshold_backward``: ``g * !c``).
+#
+# Note [Signed zeros through a checked multiply]
+# A product's zeros carry signs the select would not give: a dropped negative term is -0 (``g * 0``
+# where relu masked a negative gradient, eager's +0: 400k such zeros in a [1024, 1024] relu6's
+# gradient), and a kept -0 plus a dropped +0 is +0 (``remainder(-0.0, 1)``, PyTorch's -0.0; the
+# decompositions keep such zeros in Where's second branch, Note [Where keeps -0.0 from its second
+# branch only] in ortlab.capture.float_edges). So:
+# * one term (a constant +0 operand): ``g * !c + 0``, +0 wherever the select writes the constant,
+#   for one more elementwise Add (ResNet-18: 13 of them). A kept -0 comes out +0: the only zero whose
+#   sign differs, a gradient that is exactly -0 where it passes;
+# * two terms: the check sums ``1 / product`` instead of the product, which is ±inf at any zero (and
+#   still NaN at a NaN), and the exact Where runs where the sum is not finite. A select of two
+#   tensors that gives exact zeros pays for both; one whose values are never zero (or where an
+#   infinite operand already sends it to the Where, as the -inf of an attention mask) does not.
 #
 # With a condition smaller than the result (a causal mask [T, T] beside scores [B, H, T, T])
 # onnxruntime's Where copies spans and is fast enough that the If costs as much as it saves
@@ -248,7 +262,8 @@ def checked_selects(model: ir.Model) -> int:
         nodes: list[ir.Node] = []
         terms = []
         for operand, when in ((x, True), (y, False)):
-            if _scalar(operand) == 0.0:
+            constant = _scalar(operand)
+            if constant == 0.0 and math.copysign(1.0, constant) > 0:  # +0 (Note [Signed zeros through ...])
                 continue
             mask = cond
             if not when:
@@ -259,11 +274,23 @@ def checked_selects(model: ir.Model) -> int:
             terms.append(nodes[-1].outputs[0])
         if not terms:
             continue  # Where(c, 0, 0)
+        # Note [Signed zeros through a checked multiply]
         if len(terms) == 2:
             nodes.append(_node("Add", terms, where))
-        product = nodes[-1].outputs[0]
-        nodes.append(_node("ReduceSum", [product], where, keepdims=0))
-        nodes.append(_node("IsNaN", [nodes[-1].outputs[0]], where))
+            product = nodes[-1].outputs[0]
+            nodes.append(_node("Reciprocal", [product], where))  # ±inf at a zero, NaN at a NaN
+            nodes.append(_node("ReduceSum", [nodes[-1].outputs[0]], where, keepdims=0))
+            total = nodes[-1].outputs[0]
+            nodes.append(_node("IsNaN", [total], where))
+            nodes.append(_node("IsInf", [total], where))
+            nodes.append(_node("Or", [nodes[-2].outputs[0], nodes[-1].outputs[0]], where))
+        else:
+            zero = ir.node("Constant", [], {"value": ir.tensor(np.zeros((), dtype=out.dtype.numpy()))})
+            nodes.append(zero)
+            nodes.append(_node("Add", [terms[0], zero.outputs[0]], where))  # masked: +0, as the select's
+            product = nodes[-1].outputs[0]
+            nodes.append(_node("ReduceSum", [product], where, keepdims=0))
+            nodes.append(_node("IsNaN", [nodes[-1].outputs[0]], where))
         exact = ir.node("Where", [cond, x, y])
         keep = ir.node("Identity", [product])  # an If's branch cannot output an outer value itself
         for value in (exact.outputs[0], keep.outputs[0]):
@@ -522,7 +549,9 @@ def merged_slices(model: ir.Model) -> int:
 # place of ``(x * (1 + erf(x / sqrt(2)))) * 0.5``, but not of torchlib's order, so the exported
 # GELUs stayed five kernels. onnxscript's rewrite rules for onnxruntime match torchlib's forms
 # (``onnxscript.rewriter.ort_fusions``: ``erfgelu`` and ``gelu``), so the rewrite applies those,
-# for float32 GELUs only (the CPU provider's kernels are float's). A fused node is named after
+# for float32 GELUs only (the CPU provider's kernels are float's), their constants matched
+# exactly (a GELU written with 0.5 one ulp off, or sqrt(2) as 1.41421, stays as written; Note
+# [Pattern constants matched exactly] in ortlab._compat.onnxscript). A fused node is named after
 # its FX node, ``node_gelu_one_gelu`` (the report finds it so in a cached model), and keeps the
 # exported node's provenance (the rules copy its metadata): kernel tables and netron links show
 # the model's line.
@@ -558,7 +587,9 @@ def _gelu_rules():  # noqa: ANN202 (an onnxscript RewriteRuleSet, or None)
         rules = [pattern.RewriteRule(erfgelu.erf_gelu_pattern_1, erfgelu.gelu, float32),
                  pattern.RewriteRule(erfgelu.erf_gelu_pattern_2, erfgelu.gelu, float32),
                  pattern.RewriteRule(tanh.pattern, tanh.rewrite, float32)]
-        _GELU_RULES.append(pattern.RewriteRuleSet(rules))
+        # their 0.5, 1, sqrt(2), 0.044715 and sqrt(2/pi) matched exactly (Note [Pattern constants matched exactly])
+        rules = exact_rules(rules)
+        _GELU_RULES.append(pattern.RewriteRuleSet(rules) if rules else None)
     return _GELU_RULES[0]
 
 
