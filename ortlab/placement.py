@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from ortlab._compat.torch import OpOverload
+from ortlab._compat.torch import OpOverload, unset_fake_temporarily
 from ortlab.errors import ExportError, FallbackError, SessionError, first_line
 from ortlab.provenance import module_path, op_name, source_line
 from ortlab.torchlib import is_translated
@@ -172,6 +172,127 @@ _FLOAT64_INEXACT = (
     *_FLOAT64_CONSTANTS, *_P_NORMS,
 )
 
+# Note [Integers and empty reductions in PyTorch]
+# What ortlab's exact integer translations (Note [Integer arithmetic stays integer] in
+# ``ortlab.torchlib.integers``) and its guards cannot do, PyTorch does:
+# * an integer ``pow`` with a tensor exponent: onnxruntime's Pow computes it in float64 (``3 ** 35`` off by 3,
+#   ``3 ** 40`` saturated where PyTorch wraps); square-and-multiply over a tensor exponent is 63 rounds;
+# * an integer ``prod`` over a size known only at run time (the exact translation multiplies halves pairwise
+#   over a static size);
+# * a reduction that PyTorch refuses over no elements (``x.max()`` of an empty tensor, ``x.max(1)`` over a
+#   size-0 dim): onnxruntime returned NaN, -2**63 or failed in ArgMax with its own message. Dynamo
+#   specializes sizes 0 and 1, so a size-0 dim is static: run in PyTorch, the op raises PyTorch's error;
+# * ``argmax``/``argmin`` of bool, which PyTorch refuses and onnxruntime computed;
+# * a Python number that the integer dtype cannot hold (``full(..., 2**40, dtype=int32)``,
+#   ``masked_fill(int32_mask, 2**31)``): PyTorch raises "value cannot be converted to type int without
+#   overflow", the translation wrapped it silently. Checked by converting it as PyTorch does, at capture.
+_INT_POW = ("onnxruntime's Pow computes integer powers in float64: inexact above 2**53, saturating where "
+            "PyTorch wraps")
+_INT_PROD = ("onnxruntime's ReduceProd computes integer products in float64 (inexact above 2**53, saturating where "
+             "PyTorch wraps), and ortlab's exact product needs a size known before the run")
+_REDUCES_NOTHING = ("onnxruntime reduces no elements to NaN or the dtype's lowest value (or fails), where PyTorch "
+                    "raises; runs in PyTorch, which raises PyTorch's error")
+_BOOL_ARG = "PyTorch refuses argmax/argmin of bool (onnxruntime computed one); runs in PyTorch, which raises its error"
+_UNREPRESENTABLE = ("a Python number this op's integer dtype cannot hold: PyTorch raises \"value cannot be converted "
+                    "... without overflow\" (onnxruntime wrapped it); runs in PyTorch, which raises its error")
+
+
+def _node_val(node: object) -> Any:
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return val[0] if isinstance(val, (tuple, list)) and val else val
+
+
+def _integer_result(node: torch.fx.Node) -> bool:
+    val = _node_val(node)
+    return isinstance(val, torch.Tensor) and not val.is_floating_point() and not val.is_complex() \
+        and val.dtype != torch.bool
+
+
+def _integer_power_of_tensor(node: torch.fx.Node) -> bool:
+    """An integer ``pow`` whose exponent is a tensor (``pow.Tensor_Scalar`` has an exact translation)."""
+    return _integer_result(node) and getattr(node.target, "_overloadname", "") != "Tensor_Scalar"
+
+
+def _integer_prod_of_unknown_size(node: torch.fx.Node) -> bool:
+    from ortlab.torchlib.integers import static_reduced_size
+
+    val = _node_val(node.args[0]) if node.args else None
+    if not _integer_result(node) or not isinstance(val, torch.Tensor):
+        return False
+    dim = node.args[1] if len(node.args) > 1 and not isinstance(node.args[1], bool) else node.kwargs.get("dim")
+    return static_reduced_size(tuple(val.shape), dim) is None
+
+
+# Reductions PyTorch refuses over no elements: where their dim is (position, keyword); None: every dim.
+_NOTHING_TO_REDUCE: dict[str, tuple[int, str] | None] = {
+    "aten.max.default": None, "aten.min.default": None, "aten.max.dim": (1, "dim"), "aten.min.dim": (1, "dim"),
+    "aten.amax": (1, "dim"), "aten.amin": (1, "dim"), "aten.argmax": (1, "dim"), "aten.argmin": (1, "dim"),
+    "aten.aminmax": (1, "dim"), "aten.median.dim": (1, "dim"), "aten.nanmedian.dim": (1, "dim"),
+    "aten.mode": (1, "dim"), "aten.kthvalue": (2, "dim"),
+}
+
+
+_REDUCTIONS_OF_SOMETHING = ("aten.max", "aten.min", "aten.amax", "aten.amin", "aten.argmax", "aten.argmin",
+                            "aten.aminmax", "aten.median", "aten.nanmedian", "aten.mode", "aten.kthvalue")
+
+
+def _reduces_nothing(node: torch.fx.Node) -> bool:
+    """A reduction PyTorch refuses: over a dim of static size 0, or over every dim of a tensor with no elements."""
+    name = op_name(node)
+    key = name if name in _NOTHING_TO_REDUCE else f"{name}.{getattr(node.target, '_overloadname', '')}"
+    if key not in _NOTHING_TO_REDUCE:
+        return False
+    val = _node_val(node.args[0]) if node.args else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    where = _NOTHING_TO_REDUCE[key]
+    dim = None if where is None else (node.args[where[0]] if len(node.args) > where[0] else
+                                      node.kwargs.get(where[1], -1 if name in ("aten.mode", "aten.kthvalue") else None))
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return isinstance(val.numel(), int) and val.numel() == 0
+    if val.dim() == 0:
+        return False
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return any(isinstance(val.shape[d], int) and val.shape[d] == 0 for d in dims)
+
+
+def _argmax_of_bool(node: torch.fx.Node) -> bool:
+    val = _node_val(node.args[0]) if node.args else None
+    return isinstance(val, torch.Tensor) and val.dtype == torch.bool
+
+
+def _unrepresentable_number(node: torch.fx.Node) -> bool:
+    """A Python number among the node's arguments that its integer result's dtype cannot hold, as PyTorch
+    converts it (``torch.scalar_tensor`` raises where ``full`` and ``masked_fill`` do)."""
+    val = _node_val(node)
+    if not _integer_result(node):
+        return False
+    for a in (*node.args, *node.kwargs.values()):
+        if isinstance(a, bool) or not isinstance(a, (int, float)):
+            continue
+        try:
+            with unset_fake_temporarily():  # placement runs under AOTAutograd's FakeTensorMode, which converts anything
+                torch.scalar_tensor(a, dtype=val.dtype)
+        except RuntimeError:
+            return True
+    return False
+
+
+_CONVERTS_NUMBERS = ("aten.full", "aten.full_like", "aten.new_full", "aten.fill", "aten.masked_fill",
+                     "aten.scalar_tensor", "aten.clamp", "aten.clamp_min", "aten.clamp_max", "aten.where",
+                     "aten.index_fill")
+
+_NAN_SIGN = ("reads the sign bit of a NaN (signbit(-nan) is True, copysign(1, -nan) is -1 in PyTorch; x86 makes 0/0 "
+             "a -nan), which no ONNX operator reads: torchlib's form gave False and 1")
+
+
+def _floating_input(node: torch.fx.Node) -> bool:
+    """The op's last tensor argument (``signbit``'s input, ``copysign``'s ``other``) is floating."""
+    tensors = [a for a in node.args if isinstance(a, torch.fx.Node)]
+    val = tensors[-1].meta.get("val") if tensors else None
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
 # Translations that exist but give wrong results in onnxruntime: (op, predicate, reason).
 # ScatterND(reduction="add") on onnxruntime's CPU provider loses updates when indices
 # repeat: we measured grads off by 10-30 on repeated tokens, different on every run.
@@ -195,6 +316,16 @@ KNOWN_WRONG: tuple[tuple[str, Callable[[torch.fx.Node], bool], str], ...] = (
     *((op, _uses_secondary_outputs, _ZERO_BAGS)
       for op in ("aten._embedding_bag", "aten.embedding_bag", "aten._embedding_bag_forward_only")),
     *((op, _float64_with_numbers, _FLOAT32_NUMBERS) for op in _FLOAT64_INEXACT),
+    # Note [Integers and empty reductions in PyTorch]
+    ("aten.pow", _integer_power_of_tensor, _INT_POW),
+    ("aten.prod", _integer_prod_of_unknown_size, _INT_PROD),
+    *((op, _reduces_nothing, _REDUCES_NOTHING) for op in _REDUCTIONS_OF_SOMETHING),
+    ("aten.argmax", _argmax_of_bool, _BOOL_ARG),
+    ("aten.argmin", _argmax_of_bool, _BOOL_ARG),
+    *((op, _unrepresentable_number, _UNREPRESENTABLE) for op in _CONVERTS_NUMBERS),
+    # Note [Signs of NaN and of zero] in ortlab.capture.float_edges
+    ("aten.signbit", _floating_input, _NAN_SIGN),
+    ("aten.copysign", _floating_input, _NAN_SIGN),
 )
 
 

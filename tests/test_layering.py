@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "ortlab"
 # Lowest first. A module's layer is that of the longest prefix listed here.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("ortlab._compat", "ortlab.errors", "ortlab.config", "ortlab._openmp", "ortlab._versions", "ortlab._cache_files",
-     "ortlab._workers"),
+     "ortlab._workers", "ortlab._index_guards"),
     ("ortlab.provenance", "ortlab.sizes", "ortlab.stages", "ortlab.torchlib", "ortlab.report", "ortlab.artifacts"),
     ("ortlab.capture",),
     ("ortlab.partition",),

@@ -88,7 +88,8 @@ def test_adamw_cross_entropy_trains_as_pytorch(tmp_path):
     training = onnx.load(art.training_model)
     assert [i.name for i in training.graph.input] == ["0.weight", "0.bias", "2.weight", "2.bias", "input", "labels"]
     assert [o.name for o in training.graph.output] == ["loss", "0.weight_grad", "0.bias_grad", "2.weight_grad",
-                                                       "2.bias_grad"]
+                                                       "2.bias_grad", *(g.output for g in art.layout.guards)]
+    assert art.layout.guards[0].message == "Target {index} is out of bounds."  # the loss's target, checked first
     assert training.graph.input[4].type.tensor_type.shape.dim[0].dim_param == "batch"
 
 

@@ -44,6 +44,8 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ortlab._compat.torch import OpOverload, aten_decompositions, legacy_reduction, onnx_friendly_decompositions
+from ortlab.capture.float_edges import float_edge_decompositions
+from ortlab.capture.loss_edges import loss_edge_decompositions
 from ortlab.torchlib import overload, translated_ops
 
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
@@ -138,19 +140,70 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.native_group_norm.default] = native_group_norm_exact
     table[aten._scaled_dot_product_flash_attention_for_cpu.default] = flash_attention_for_cpu
     table[aten._scaled_dot_product_flash_attention_for_cpu_backward.default] = flash_attention_for_cpu_backward
+    # NaN, infinities, signed zeros, boundaries and overflow as PyTorch's kernels (ortlab.capture.float_edges);
+    # where the table holds another decomposition of the op, it runs where the float one does not apply.
+    for op, fn in float_edge_decompositions().items():
+        table[op] = _first_of(fn, table[op]) if op in table else fn
+    # A loss's checks of its inputs, and its mean over an empty batch, as PyTorch's (ortlab.capture.loss_edges).
+    for op, fn in loss_edge_decompositions().items():
+        table[op] = _first_of(fn, table[op]) if op in table else fn
     return table
 
 
+def _first_of(first: Callable, then: Callable) -> Callable:
+    """A decomposition that is ``first``'s where it applies (anything but ``NotImplemented``), else ``then``'s."""
+
+    def decomposition(*args: object, **kwargs: object) -> object:
+        out = first(*args, **kwargs)
+        return then(*args, **kwargs) if out is NotImplemented else out
+
+    return decomposition
+
+
 def _attention_scores(query: torch.Tensor, key: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
-                      scale: float | None) -> tuple[torch.Tensor, float]:
+                      scale: float | None) -> tuple[torch.Tensor, float, torch.Tensor | None]:
+    """The masked scores, the scale, and the fully masked rows (Note [Fully masked rows of attention])."""
     s = scale if scale is not None else 1.0 / math.sqrt(query.size(-1))
     scores = torch.matmul(query, key.transpose(-2, -1)) * s
+    bias, rows = _attention_bias(query.size(-2), key.size(-2), attn_mask, is_causal, scores.dtype, query.device)
+    return (scores if bias is None else scores + bias), s, rows
+
+
+# Note [Fully masked rows of attention]
+# A query row whose keys are all masked (a sequence that is all padding, left padding under a causal
+# mask) has scores all -inf, and softmax of them is 0/0: NaN in that row, and through softmax's backward
+# NaN in every gradient, so one all-padding sequence poisoned the whole step. PyTorch's attention gives
+# that row 0 (its math path's ``_safe_softmax``; the CPU flash kernel the same) and so no gradient. Here
+# the rows are found on the mask's own (small) shape: where a row of the combined bias is all -inf it is
+# set to 0 (softmax then finite, uniform), and the output row is selected as +0.0 (``where(empty, 0, out)``,
+# a Where whose condition is the mask's small shape), which also stops its gradient. A causal mask alone
+# never empties a row (row i keeps key 0), so it costs nothing; with a mask, a reduction and a select on
+# the mask's shape and one broadcast select of the output (0.36 ms on [8, 12, 128, 64], forward and
+# backward). A huge finite negative mask (Hugging Face's ``finfo.min``) empties nothing, as in PyTorch.
+# PyTorch also zeroes a row whose scores are -inf for another reason (an overflowing dot product); that
+# row stays NaN here. ``nn.MultiheadAttention`` with ``need_weights=True`` computes its own softmax, NaN
+# in PyTorch too.
+def _attention_bias(seq_q: int, seq_k: int, attn_mask: torch.Tensor | None, is_causal: bool, dtype: torch.dtype,
+                    device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The additive bias of a causal and/or given mask (Note [Attention masks as additive biases]), in the mask's
+    shape, and the ``[..., L, 1]`` rows it masks fully (None without a mask)."""
+    bias = None
     if is_causal:
-        keep = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
-        scores = scores + mask_bias(keep, scores.dtype)
-    if attn_mask is not None:
-        scores = scores + (mask_bias(attn_mask, scores.dtype) if attn_mask.dtype == torch.bool else attn_mask)
-    return scores, s
+        bias = mask_bias(torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(), dtype)
+    if attn_mask is None:
+        return bias, None
+    given = mask_bias(attn_mask, dtype) if attn_mask.dtype == torch.bool else attn_mask
+    bias = given if bias is None else bias + given
+    empty = (bias == float("-inf")).all(-1, keepdim=True)  # Note [Fully masked rows of attention]
+    bias = torch.where(empty, torch.zeros((), dtype=bias.dtype, device=device), bias)
+    return bias, empty
+
+
+def _zero_rows(empty: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """``value`` with the fully masked rows +0.0 (Note [Fully masked rows of attention])."""
+    if empty is None:
+        return value
+    return torch.where(empty, torch.zeros((), dtype=value.dtype, device=value.device), value)
 
 
 # Note [Attention masks as additive biases]
@@ -184,9 +237,10 @@ def flash_attention_for_cpu(
     """CPU flash attention as math, returning the real ``logsumexp`` (see the module docstring)."""
     if dropout_p != 0.0 or query.size(1) != key.size(1):
         return NotImplemented
-    scores, _ = _attention_scores(query, key, attn_mask, is_causal, scale)
+    scores, _, rows = _attention_scores(query, key, attn_mask, is_causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value)
+    out = _zero_rows(rows, out)  # Note [Fully masked rows of attention]
     # The flash kernel's output is laid out so that permute(2, 0, 1, 3) is contiguous, and
     # nn.MultiheadAttention views it that way; keep the same layout.
     out = out.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
@@ -209,7 +263,8 @@ def flash_attention_for_cpu_backward(
     """The backward of :func:`flash_attention_for_cpu`: softmax attention's gradients from ``logsumexp``."""
     if dropout_p != 0.0 or query.size(1) != key.size(1):
         return NotImplemented
-    scores, s = _attention_scores(query, key, attn_mask, is_causal, scale)
+    scores, s, rows = _attention_scores(query, key, attn_mask, is_causal, scale)
+    grad_out = _zero_rows(rows, grad_out)  # a fully masked row's output is 0, whatever its gradient
     attn = torch.exp(scores - logsumexp.unsqueeze(-1))
     grad_value = torch.matmul(attn.transpose(-2, -1), grad_out)
     grad_attn = torch.matmul(grad_out, value.transpose(-2, -1))
@@ -542,10 +597,11 @@ def addmv_as_mm(self: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor, *, bet
 # Note [copysign as a where on the sign]
 # torch's decomposition of ``copysign`` takes the sign from ``prims.signbit``, which has no ONNX
 # translation and runs in PyTorch, and whose fake kernel says float32 where the op returns bool: the
-# onnxruntime part after it expected a float input and ``torch.copysign`` crashed ortlab. The same
-# ``where`` with the sign tested as ``other < 0``, or ``other == 0`` and ``1 / other < 0`` (-0.0; torchlib's
-# ``signbit`` is ``x < 0`` alone), keeps the graph whole. A NaN's sign bit is not read: ``copysign(x, -nan)``
-# is ``|x|``, where PyTorch gives ``-|x|``.
+# onnxruntime part after it expected a float input and ``torch.copysign`` crashed ortlab. With a Python
+# number or an integer ``other`` the same ``where`` on ``other < 0`` keeps the graph whole. A floating
+# ``other`` may hold a -0.0 or a -nan (x86 makes ``0 / 0`` one), and no ONNX operator reads a NaN's sign
+# bit (``copysign(x, -nan)`` had been ``|x|``, PyTorch's ``-|x|``): that op stays whole and runs in
+# PyTorch (``ortlab.placement.KNOWN_WRONG``).
 
 
 def copysign(self: torch.Tensor, other: torch.Tensor | float) -> torch.Tensor:
@@ -553,11 +609,11 @@ def copysign(self: torch.Tensor, other: torch.Tensor | float) -> torch.Tensor:
     magnitude = self.abs()
     if not isinstance(other, torch.Tensor):
         return magnitude.neg() if math.copysign(1.0, other) < 0 else magnitude
+    if other.is_floating_point():  # its NaNs' signs: the op, in PyTorch
+        return NotImplemented
     if not self.is_floating_point():  # integers take the promoted dtype, as the op's
         magnitude = magnitude.to(torch.result_type(self, other))
-    # torchlib's signbit is ``x < 0``, which misses -0.0 (copysign's usual reason to exist); 1 / -0.0 is -inf.
-    negative = (other < 0) | ((other == 0) & (torch.reciprocal(other.to(magnitude.dtype)) < 0))
-    return torch.where(negative, magnitude.neg(), magnitude)
+    return torch.where(other < 0, magnitude.neg(), magnitude)
 
 
 # Note [scatter_reduce's mean as sums and counts]
@@ -1087,12 +1143,12 @@ def sdpa_math(
         key = key.repeat_interleave(rep, dim=-3)
         value = value.repeat_interleave(rep, dim=-3)
     scores = torch.matmul(query, key.transpose(-2, -1)) * factor
-    if is_causal:  # Note [Attention masks as additive biases]
-        keep = torch.ones(seq_q, seq_k, dtype=torch.bool, device=query.device).tril()
-        scores = scores + mask_bias(keep, scores.dtype)
-    if attn_mask is not None:
-        scores = scores + (mask_bias(attn_mask, scores.dtype) if attn_mask.dtype == torch.bool else attn_mask)
+    # Note [Attention masks as additive biases], Note [Fully masked rows of attention]
+    bias, rows = _attention_bias(seq_q, seq_k, attn_mask, is_causal, scores.dtype, query.device)
+    if bias is not None:
+        scores = scores + bias
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         probs = torch.nn.functional.dropout(probs, p=dropout_p, training=True)
-    return torch.matmul(probs, value)
+    out = torch.matmul(probs, value)
+    return _zero_rows(rows, out)

@@ -12,6 +12,7 @@ import dataclasses
 import json
 from collections.abc import Mapping
 
+from ortlab._index_guards import GUARD_ERRORS, GUARD_LOWEST, IndexGuard
 from ortlab.errors import ArtifactError
 
 __all__ = ["LAYOUT_KEY", "TrainingLayout", "gradient_name"]
@@ -44,6 +45,9 @@ class TrainingLayout:
         updated: frozen buffers the step writes (BatchNorm's running statistics): the
             model returns each new value as ``<name>_updated`` after its other outputs,
             and ``Module`` writes it back into the state.
+        guards: the model's index guards, its last outputs (after the updated buffers),
+            which ``Module`` checks after each run (Note [Index guards on the device] in
+            ``ortlab.ondevice.module``); None for a model generated before ortlab added them.
     """
 
     trainable: tuple[str, ...]
@@ -54,6 +58,7 @@ class TrainingLayout:
     outputs: tuple[str, ...]
     dynamic_batch: bool = False
     updated: tuple[str, ...] = ()
+    guards: tuple[IndexGuard, ...] | None = None
 
     @property
     def gradients(self) -> tuple[str, ...]:
@@ -87,8 +92,31 @@ class TrainingLayout:
         if LAYOUT_KEY not in metadata:
             raise ArtifactError(f"{path!r} has no {LAYOUT_KEY!r} metadata: it was not written by "
                                 "ortlab.ondevice.generate_artifacts, which says what each input is")
-        data = json.loads(metadata[LAYOUT_KEY])
-        if data.pop("format", None) != _FORMAT:
+        try:
+            data = json.loads(metadata[LAYOUT_KEY])
+        except ValueError as e:
+            raise ArtifactError(f"{path!r} has a {LAYOUT_KEY!r} metadata entry that is not JSON ({e}); the file is "
+                                "damaged: generate the artifacts again") from None
+        if not isinstance(data, dict) or data.pop("format", None) != _FORMAT:
             raise ArtifactError(f"{path!r} has a layout this ortlab cannot read; generate the artifacts again")
         fields = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields})
+        values = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in fields}
+        if values.get("guards") is not None:
+            values["guards"] = _guards(values["guards"], path)
+        return cls(**values)
+
+
+def _guards(items: object, path: str) -> tuple[IndexGuard, ...]:
+    """The layout's index guards, each field checked (a guard the runner misreads would check nothing)."""
+    fields = {f.name for f in dataclasses.fields(IndexGuard)}
+    guards = []
+    for i, g in enumerate(items if isinstance(items, tuple) else [items]):
+        ok = (isinstance(g, dict) and set(g) == fields
+              and all(isinstance(g[k], str) for k in ("output", "message", "where"))
+              and type(g["dim"]) is int and g["dim"] >= 0
+              and g["lowest"] in GUARD_LOWEST and g["error"] in GUARD_ERRORS)
+        if not ok:
+            raise ArtifactError(f"{path!r} has a malformed index guard in its layout (guards[{i}] = {g!r}); the file "
+                                "is damaged: generate the artifacts again")
+        guards.append(IndexGuard.from_dict(g))  # type: ignore[arg-type]
+    return tuple(guards)

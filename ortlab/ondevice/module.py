@@ -5,6 +5,32 @@ onnxruntime's ``onnxruntime.training.api.Module`` rebuilt on the standard
 and every gradient (``generate_artifacts`` traced them with PyTorch), so nothing of
 onnxruntime's training build is needed. Parameters live in the :class:`CheckpointState`
 as numpy arrays and are fed as inputs on every call.
+
+Note [Index guards on the device]
+ONNX's ``Gather`` counts a negative index from the end, so the training model took a
+cross-entropy label of -1 as the last class and trained on it, where PyTorch raises
+``IndexError: Target -1 is out of bounds.``; a label equal to the class count stopped the
+run with onnxruntime's own error, and embeddings and ``gather`` wrapped the same way.
+ORTModule's graphs had index guards (Note [Index guards] in ``ortlab.onnx.guards``), but
+``generate_artifacts`` exported its graphs without asking for them, and ``make_fx`` did
+not record which op a node was decomposed from (``original_aten``), which the guard needs
+to give a loss's target its loss's error. Now the training and eval graphs are traced
+under ``preserve_node_meta`` and exported with ``guard_indices=True``: every op of them
+that reads an index (a loss's target, embedding, gather, index_select, indexing, scatter)
+gets a guard output ``[min, max, size]``, and the op reads its index clipped into range.
+The layout lists the guards (``TrainingLayout.guards``, the models' last outputs); each
+call fetches them and checks them with ORTModule's own ``check`` (torch-free, in
+``ortlab._index_guards``) before anything of the state changes: no gradient is
+accumulated and no running statistic written for a batch PyTorch would have refused,
+and the error is PyTorch's, class and text. The training graph holds the forward and
+the backward, so the backward's index ops (the loss's scatter, embedding's
+``index_put``) get guards too: they repeat the forward's, which come first in the graph
+and so give the error (three reductions each; not worth telling the two halves apart).
+A target equal to ``ignore_index`` (-100 by default) reaches the ``gather`` as 0, as in
+PyTorch's decomposition, so it is ignored, not refused. The inference model that
+:meth:`Module.export_model_for_inferencing` writes runs in plain onnxruntime, with no one
+to read a guard: its guard outputs are dropped and its indices stay clipped. Artifacts
+generated before the guards load with a warning that nothing is checked.
 """
 
 from __future__ import annotations
@@ -17,6 +43,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from ortlab._index_guards import IndexGuard, check
 from ortlab.config import Options
 from ortlab.errors import ArtifactError, SessionError, UnsupportedInputError, first_line
 from ortlab.ondevice.checkpoint import CheckpointState
@@ -50,6 +77,15 @@ class _Model:
         self.dtypes = {n: _ONNX_NP.get(i.type) for n, i in inputs.items()}
         self.shapes = {n: i.shape for n, i in inputs.items()}
         self.output_names = [o.name for o in self.session.get_outputs()]
+        self.guards: tuple[IndexGuard, ...] = self.layout.guards or ()
+        if self.layout.guards is None:
+            logger.warning("ortlab.ondevice: %s was generated before ortlab checked indices on the device: an "
+                           "out-of-range label or index is not refused as PyTorch refuses it (a cross-entropy "
+                           "label of -1 trains as the last class); generate the artifacts again", self.path)
+        lacking = [g.output for g in self.guards if g.output not in self.output_names]
+        if lacking:
+            raise ArtifactError(f"{self.path!r} lacks the index guard outputs {lacking} its layout names; generate "
+                                "the artifacts again")
 
 
 class Module:
@@ -171,6 +207,8 @@ class Module:
 
         Raises:
             UnsupportedInputError: for a wrong number of inputs, a dtype or a shape.
+            IndexError, RuntimeError: PyTorch's error for a label or index out of range (Note [Index
+                guards on the device]); the state is left as it was.
             SessionError: when onnxruntime fails.
         """
         model = self._train if self.training else self._eval_model()
@@ -180,9 +218,11 @@ class Module:
         fetch = ([layout.loss, *layout.gradients] if self.training else [layout.loss, *layout.outputs])
         fetch += layout.updated_outputs
         try:
-            results = model.session.run(fetch, feeds)
+            results = model.session.run(fetch + [g.output for g in model.guards], feeds)
         except Exception as e:  # onnxruntime raises its own pybind exception types
             raise SessionError(f"onnxruntime could not run {model.path!r}: {first_line(e)}") from e
+        check(model.guards, results[len(fetch):])  # before the state changes (Note [Index guards on the device])
+        results = results[:len(fetch)]
         if self.training:
             gradients = self.state.gradients
             for name, grad in zip(layout.trainable, results[1:1 + n_grads]):

@@ -40,9 +40,11 @@ import torch.fx
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+from torch.fx.traceback import preserve_node_meta
 from torch.overrides import TorchFunctionMode
 
 from ortlab._compat.torch import FakeTensorMode
+from ortlab._index_guards import IndexGuard
 from ortlab.capture.decompositions import decomposition_table
 from ortlab.errors import ConfigError, ExportError, first_line
 from ortlab.ondevice.layout import LAYOUT_KEY, TrainingLayout
@@ -311,7 +313,7 @@ def _trace(spec: StepSpec, train: bool) -> tuple[torch.fx.GraphModule, dict[str,
     was_training = {m: m.training for m in spec.model.modules()}
     spec.model.train(train)
     try:
-        with _LinearAsAddmm():
+        with _LinearAsAddmm(), preserve_node_meta():  # original_aten, for the guards' errors (see ondevice.module)
             gm = make_fx(step, decomposition_table=decomposition_table(), tracing_mode="symbolic")(*fakes)
     except ConfigError:
         raise
@@ -373,10 +375,16 @@ def _batch_size(fakes: Sequence[torch.Tensor], shape_env: ShapeEnv) -> _Batch:
     return _Batch(frozenset(symbols), fixed)
 
 
-def _name_values(exported: ExportedGraph, inputs: Sequence[str], outputs: Sequence[str], batch: _Batch) -> None:
-    """Give the graph's inputs and outputs their layout names (see Note [Tracing the training step])."""
+def _name_values(exported: ExportedGraph, inputs: Sequence[str], outputs: Sequence[str],
+                 batch: _Batch) -> tuple[IndexGuard, ...]:
+    """Give the graph's inputs and outputs their layout names (see Note [Tracing the training step]).
+
+    The index guards stay the last outputs; returned with their outputs' final names.
+    """
     graph = exported.model.graph
-    produced = iter(list(graph.outputs))
+    every = list(graph.outputs)
+    guard_values = every[len(every) - len(exported.interface.guards):] if exported.interface.guards else []
+    produced = iter(every[:len(every) - len(guard_values)])
     values: list[ir.Value] = []
     for kind, source in zip(exported.interface.output_kinds, exported.interface.output_sources):
         if kind != "tensor":
@@ -394,7 +402,7 @@ def _name_values(exported: ExportedGraph, inputs: Sequence[str], outputs: Sequen
         taken.add(id(value))
         distinct.append(value)
     graph.outputs.clear()
-    graph.outputs.extend(distinct)
+    graph.outputs.extend(distinct + guard_values)
     reserved = set(inputs) | set(outputs)
     mine = {id(v) for v in list(graph.inputs) + distinct}
     others = [v for node in graph for v in node.outputs] + list(graph.initializers.values())
@@ -407,6 +415,7 @@ def _name_values(exported: ExportedGraph, inputs: Sequence[str], outputs: Sequen
             size = "batch" if batch.fixed is None else batch.fixed
             value.shape = ir.Shape([size if isinstance(d, ir.SymbolicDim) and d.value in batch.symbols else d
                                     for d in value.shape])
+    return tuple(dataclasses.replace(g, output=v.name) for g, v in zip(exported.interface.guards, guard_values))
 
 
 def export_step(spec: StepSpec, train: bool) -> tuple[onnx.ModelProto, TrainingLayout]:
@@ -426,10 +435,10 @@ def export_step(spec: StepSpec, train: bool) -> tuple[onnx.ModelProto, TrainingL
     outputs = ([layout.loss, *layout.gradients] if train else [layout.loss, *layout.outputs])
     outputs += layout.updated_outputs
     name = "training" if train else "eval"
-    exported = export_graph(gm, name)
+    exported = export_graph(gm, name, guard_indices=True)  # Note [Index guards on the device] in ondevice.module
     if optimize_exported(exported).skipped:  # the optimizer is best effort; the graph as exported is correct
-        exported = export_graph(gm, name)
-    _name_values(exported, layout.model_inputs, outputs, batch)
+        exported = export_graph(gm, name, guard_indices=True)
+    layout = dataclasses.replace(layout, guards=_name_values(exported, layout.model_inputs, outputs, batch))
     exported.model.metadata_props[LAYOUT_KEY] = layout.to_json()
     try:
         return ir.to_proto(exported.model), layout

@@ -1,4 +1,4 @@
-"""Index guards: PyTorch's bounds errors for indices onnxruntime would silently wrap or refuse.
+"""Guards: PyTorch's errors for inputs onnxruntime would silently accept or refuse with its own message.
 
 Note [Index guards]
 ONNX's ``Gather`` and ``GatherElements`` count a negative index from the end, and
@@ -23,11 +23,26 @@ is read. A loss's target reaches
 replaced by 0; the node remembers it came from ``nll_loss`` (``original_aten``), so
 the error is the loss's. Backward graphs need no guards: their indices were checked
 in the forward.
+
+Note [Value guards]
+Other inputs PyTorch refuses depend on values, not indices: an integer division or modulo by
+zero (``RuntimeError: ZeroDivisionError``; onnxruntime stopped the run with "Integer division by
+zero" or "Integer modulo by zero"), and every check a decomposition states as
+``torch._assert_async(cond, message)``: ``binary_cross_entropy``'s "all elements of input should be
+between 0 and 1" and "... of target ..." (``ortlab.capture.decompositions``; through onnxruntime a
+target of 2 gave a loss), or one the model makes itself. They are guards of the same kind, read
+by the same checks (:func:`check`, :func:`check_on_device`, ``ortlab.ondevice``): the guard output
+is ``[0, violations, 1]``, so the range test ``0 <= low`` and ``high < size`` fails exactly where
+something violated the rule, and the message is PyTorch's. The op itself must not fail first:
+the integer divisions divide by 1 where the divisor is 0 (Note [Integer arithmetic stays integer]
+in ``ortlab.torchlib.integers``), and ``_assert_async`` translates to nothing. A division whose
+result has no elements divides nothing and raises nothing, as in PyTorch. Value guards go into
+every graph, backward graphs too: dropping an ``_assert_async`` or dividing by 1 in silence would
+be wrong there as anywhere.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -36,39 +51,12 @@ import torch
 import torch.fx
 
 from ortlab._compat.torch import assert_on_device
+from ortlab._index_guards import IndexGuard, check  # torch-free: ortlab.ondevice checks them too
 from ortlab.provenance import module_path, op_name, source_line
 
-__all__ = ["IndexGuard", "add_index_guards", "check", "check_on_device"]
+__all__ = ["IndexGuard", "add_guards", "add_index_guards", "check", "check_on_device", "prepare_guards"]
 
 _LOSSES = ("aten.nll_loss_forward", "aten.nll_loss2d_forward")
-
-
-@dataclasses.dataclass(frozen=True)
-class IndexGuard:
-    """What one guard output checks, and the error PyTorch raises when it fails.
-
-    Attributes:
-        output: the name of the guard's ONNX output (``[min, max, size]``).
-        lowest: ``0``, or ``"-size"`` for indexing that counts from the end.
-        error: ``IndexError`` or ``RuntimeError`` (what PyTorch raises for this op).
-        message: PyTorch's message, with ``{index}``, ``{dim}`` and ``{size}`` to fill in.
-        dim: the indexed dimension.
-        where: the op, its module and source line, for the message.
-    """
-
-    output: str
-    lowest: str
-    error: str
-    message: str
-    dim: int
-    where: str
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> IndexGuard:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
 
 def _dim(dim: int, rank: int) -> int:
@@ -131,11 +119,27 @@ def _const(values: list[int], name: str) -> ir.Node:
     return ir.node("Constant", [], attributes={"value": ir.tensor(np.array(values, dtype=np.int64), name=name)})
 
 
-def add_index_guards(gm: torch.fx.GraphModule, graph: ir.Graph, values: dict[str, Any]) -> list[IndexGuard]:
-    """Add a guard output to ``graph`` for each index an op of ``gm`` reads (see Note [Index guards])."""
+def prepare_guards(gm: torch.fx.GraphModule) -> None:
+    """Give each ``_assert_async`` node the (empty) example value torch.onnx's translator types outputs by: it
+    returns nothing, and its condition becomes a guard (Note [Value guards])."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and op_name(node) == "aten._assert_async" and node.meta.get("val") is None:
+            node.meta["val"] = ()
+
+
+def add_guards(gm: torch.fx.GraphModule, graph: ir.Graph, values: dict[str, Any], indices: bool = True) -> list[IndexGuard]:
+    """Add a guard output to ``graph`` for each index an op of ``gm`` reads (where ``indices``: forward and
+    no-grad graphs, Note [Index guards]) and for each value rule (every graph, Note [Value guards])."""
     guards: list[IndexGuard] = []
     for node in gm.graph.nodes:
         if node.op != "call_function":
+            continue
+        for message, violations in _value_rules(node, values):
+            k = len(guards)
+            zero, one = _const([0], f"ortlab_guard_{k}_zero"), _const([1], f"ortlab_guard_{k}_one")
+            out = ir.node("Concat", [zero.outputs[0], violations[-1].outputs[0], one.outputs[0]], attributes={"axis": 0})
+            guards.append(_append(graph, node, [*violations, zero, one, out], out, k, "0", "RuntimeError", message, 0))
+        if not indices:
             continue
         for data, index, dim, lowest, error, message in _specs(node):
             data_value, index_value = values.get(getattr(data, "name", "")), values.get(getattr(index, "name", ""))
@@ -154,20 +158,100 @@ def add_index_guards(gm: torch.fx.GraphModule, graph: ir.Graph, values: dict[str
             out = ir.node("Concat", [low.outputs[0], high.outputs[0], size.outputs[0]], attributes={"axis": 0})
             nodes = [as_int64, shape, flat, low, high, size, out]
             nodes += _clip_for(node, index_value, as_int64.outputs[0], size.outputs[0], lowest, index, k)
-            for i, n in enumerate(nodes):
-                n.name = f"ortlab_guard_{k}_{i}_{n.op_type}"
-                n.metadata_props.update({"ortlab.fx_node": node.name, "ortlab.op": op_name(node),
-                                         "ortlab.module": module_path(node), "ortlab.source": source_line(node)})
-            graph.extend(nodes)
-            result = out.outputs[0]
-            result.name = f"ortlab_guard_{k}"
-            result.dtype, result.shape = ir.DataType.INT64, ir.Shape([3])
-            graph.outputs.append(result)
-            where = f"{op_name(node)} at {module_path(node) or '<root>'}"
-            if source_line(node):
-                where += f", {source_line(node)}"
-            guards.append(IndexGuard(result.name, lowest, error, message, dim, where))
+            guards.append(_append(graph, node, nodes, out, k, lowest, error, message, dim))
     return guards
+
+
+def add_index_guards(gm: torch.fx.GraphModule, graph: ir.Graph, values: dict[str, Any]) -> list[IndexGuard]:
+    """:func:`add_guards` of a forward or no-grad graph: index guards and value guards."""
+    return add_guards(gm, graph, values, indices=True)
+
+
+def _append(graph: ir.Graph, node: torch.fx.Node, nodes: list[ir.Node], out: ir.Node, k: int, lowest: str,
+            error: str, message: str, dim: int) -> IndexGuard:
+    """Add ``nodes`` to ``graph``, the output of ``out`` (one of them: ``[low, high, size]``) as guard ``k``."""
+    for i, n in enumerate(nodes):
+        n.name = f"ortlab_guard_{k}_{i}_{n.op_type}"
+        n.metadata_props.update({"ortlab.fx_node": node.name, "ortlab.op": op_name(node),
+                                 "ortlab.module": module_path(node), "ortlab.source": source_line(node)})
+    graph.extend(nodes)
+    result = out.outputs[0]
+    result.name = f"ortlab_guard_{k}"
+    result.dtype, result.shape = ir.DataType.INT64, ir.Shape([3])
+    graph.outputs.append(result)
+    original = node.meta.get("original_aten")
+    op = op_name_of(original) if op_name(node) == "aten._assert_async" and original is not None else op_name(node)
+    where = f"{op} at {module_path(node) or '<root>'}"
+    if source_line(node):
+        where += f", {source_line(node)}"
+    return IndexGuard(result.name, lowest, error, message, dim, where)
+
+
+# Integer ops that raise PyTorch's ZeroDivisionError for a zero divisor (``div`` only when it rounds).
+_DIVISIONS = frozenset({"aten.floor_divide", "aten.remainder", "aten.fmod"})
+_ZERO_DIVISION = "ZeroDivisionError"
+_ASSERT = "Expected Tensor with single nonzero value, but got zero"  # ``_assert_async`` without a message
+
+
+def _divisor(node: torch.fx.Node) -> object:
+    """The divisor of an integer division or modulo ``node`` (a node or a number); None for other ops."""
+    name = op_name(node)
+    if name == "aten.div":
+        if node.kwargs.get("rounding_mode", node.args[2] if len(node.args) > 2 else None) is None:
+            return None
+    elif name not in _DIVISIONS:
+        return None
+    if not _is_integer(node) or len(node.args) < 2:
+        return None
+    return node.args[1]
+
+
+def _value_rules(node: torch.fx.Node, values: dict[str, Any]) -> list[tuple[str, list[ir.Node]]]:
+    """(PyTorch's message, nodes whose last output is ``[violations]``) of each rule ``node`` must keep
+    (Note [Value guards])."""
+    name = op_name(node)
+    if name == "aten._assert_async":
+        cond = values.get(getattr(node.args[0], "name", "")) if node.args else None
+        if not isinstance(cond, ir.Value):
+            return []
+        message = node.args[1] if len(node.args) > 1 else node.kwargs.get("assert_msg", _ASSERT)
+        holds = ir.node("Cast", [cond], attributes={"to": ir.DataType.BOOL})
+        failed = ir.node("Not", [holds.outputs[0]])
+        return [(str(message), [holds, failed, *_count(failed.outputs[0], f"ortlab_assert_{node.name}")])]
+    divisor = _divisor(node)
+    if divisor is None:
+        return []
+    result = values.get(node.name)
+    if isinstance(divisor, torch.fx.Node):
+        value = values.get(divisor.name)
+        if not isinstance(value, ir.Value):
+            return []
+        as_int64 = ir.node("Cast", [value], attributes={"to": ir.DataType.INT64})
+        zero = _const([0], f"ortlab_divisor_{node.name}_zero")
+        is_zero = ir.node("Equal", [as_int64.outputs[0], zero.outputs[0]])
+        nodes = [as_int64, zero, is_zero, *_count(is_zero.outputs[0], f"ortlab_divisor_{node.name}")]
+    elif isinstance(divisor, (int, float)) and not isinstance(divisor, bool) and divisor == 0:
+        nodes = [_const([1], f"ortlab_divisor_{node.name}_zero")]
+    else:
+        return []
+    if isinstance(result, ir.Value):  # nothing divided: nothing raised
+        size = ir.node("Size", [result])
+        zero = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(0, dtype=np.int64),
+                                                                        name=f"ortlab_divided_{node.name}_zero")})
+        nonempty = ir.node("Greater", [size.outputs[0], zero.outputs[0]])
+        some = ir.node("Cast", [nonempty.outputs[0]], attributes={"to": ir.DataType.INT64})
+        violations = ir.node("Mul", [nodes[-1].outputs[0], some.outputs[0]])
+        nodes += [size, zero, nonempty, some, violations]
+    return [(_ZERO_DIVISION, nodes)]
+
+
+def _count(flags: ir.Value, name: str) -> list[ir.Node]:
+    """Nodes counting the True ``flags`` into an int64 ``[count]``."""
+    as_int64 = ir.node("Cast", [flags], attributes={"to": ir.DataType.INT64})
+    shape = _const([-1], f"{name}_flat")
+    flat = ir.node("Reshape", [as_int64.outputs[0], shape.outputs[0]])
+    count = ir.node("ReduceSum", [flat.outputs[0]], attributes={"keepdims": 1})
+    return [as_int64, shape, flat, count]
 
 
 _ONNX_INT = {torch.int64: ir.DataType.INT64, torch.int32: ir.DataType.INT32, torch.int16: ir.DataType.INT16,
@@ -198,23 +282,6 @@ def _clip_for(fx_op: torch.fx.Node, index_value: ir.Value, as_int64: ir.Value, s
     for user, position in users:
         user.replace_input_with(position, clipped)
     return nodes
-
-
-def check(guards: list[IndexGuard], results: list[torch.Tensor]) -> None:
-    """Raise PyTorch's error for the first guard whose indices are out of range.
-
-    Raises:
-        IndexError, RuntimeError: as PyTorch would for the same input.
-    """
-    for guard, result in zip(guards, results):
-        low, high, size = result.tolist()
-        lowest = -size if guard.lowest == "-size" else 0
-        if low >= lowest and high < size:
-            continue
-        index = low if low < lowest else high
-        text = guard.message.format(index=index, dim=guard.dim, size=size)
-        error = IndexError if guard.error == "IndexError" else RuntimeError
-        raise error(f"{text} (ortlab: {guard.where}; PyTorch raises the same error for this input)")
 
 
 # Note [Index guards on CUDA]

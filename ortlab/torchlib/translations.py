@@ -189,10 +189,21 @@ def _pool_with_nan(torchlib_pool, spatial: int):  # noqa: ANN001, ANN202
     return pool
 
 
+def assert_async(self, assert_msg: str = ""):  # noqa: ANN001, ANN201
+    """``torch._assert_async(cond, msg)`` computes nothing in the graph: the exporter makes its condition a guard
+    output that the runner checks after each run (Note [Value guards] in ``ortlab.onnx.guards``)."""
+    return ()
+
+
 def register(registry: object) -> None:
     """Add ortlab's translations to a torchlib registry (its custom ones win)."""
     aten = torch.ops.aten
     registry.register_op(aten.scalar_tensor.default, scalar_tensor)  # type: ignore[attr-defined]
+    for target in (aten._assert_async.msg, aten._assert_async.default):
+        registry.register_op(target, assert_async)  # type: ignore[attr-defined]
+    from ortlab.torchlib.integers import register as register_integers
+
+    register_integers(registry)  # Note [Integer arithmetic stays integer]
     for target in (aten._unsafe_index_put.default, aten.index_put.default):
         registry.register_op(target, index_put_accumulate)  # type: ignore[attr-defined]
     nan_aware = {
@@ -211,3 +222,6 @@ def register(registry: object) -> None:
     nan_aware[aten.max_pool3d_with_indices.default] = _pool_with_nan(torchlib_nn.aten_max_pool3d_with_indices, 3)
     for target, fn in nan_aware.items():
         registry.register_op(target, fn)  # type: ignore[attr-defined]
+    from ortlab.torchlib.float_edges import register as register_float_edges
+
+    register_float_edges(registry)  # Note [A norm whose variance overflows is NaN]
