@@ -27,22 +27,23 @@ from ortlab._compat.torch import (
     COMPILE_ISOLATION,
     FAKE_TENSOR_LOGGER,
     BackendCompilerFailed,
+    FailOnRecompileLimitHit,
     TorchDynamoException,
     ddp_active,
     disable_donated_buffers,
     forget_sizes_seen,
     ignore_once_only_logging,
     dynamo_counters,
-    torch_compile,
     guard_failures_of,
     pytree,
+    recompile_limit_hit,
     set_dynamo_config,
     tensor_version,
     without_ddp_optimizer,
 )
 from ortlab._openmp import openmp_note
 from ortlab.config import DebugOptions, Options
-from ortlab.errors import CaptureError, ConfigError, DeviceError, OrtlabError, UnsupportedInputError
+from ortlab.errors import CaptureError, ConfigError, DeviceError, FallbackError, OrtlabError, UnsupportedInputError
 from ortlab.pipeline.backend import OrtlabBackend
 from ortlab.report import Fallback, Report, warn_fallback
 from ortlab.runtime.observe import GraphObserver
@@ -76,7 +77,9 @@ _OWN = (
 # Dynamo reads these when it compiles, which can happen on any call; patching them
 # around every call cost ~28 us a step (a third of a tiny model's step), so ORTModule
 # sets them once, process-wide, when the first one is created:
-# * recompile limits raised: many ORTModules of one class share Dynamo's per-code cache;
+# * recompile limits raised: many ORTModules of one class share Dynamo's per-code cache
+#   (each module adds its own budget to the accumulated limit: Note [Each ORTModule's own
+#   recompile budget]);
 # * fail_on_recompile_limit_hit: past the limit Dynamo raises instead of silently
 #   running eager; ORTModule records that as a fallback with its reason;
 # * skip_nnmodule_hook_guards off: a hook added after the first call re-captures
@@ -102,12 +105,48 @@ _DYNAMO_CONFIG = {
 # capture a reconfigure() replaces, kept its sessions, models and graphs alive: +1.9 MiB per
 # re-created TinyMLP module, and 12 reconfigures took live sessions from 2 to 26. The
 # backend releases them (OrtlabBackend.release) when the ORTModule is garbage collected or
-# reconfigured; what torch still holds is a few small records. A graph whose sessions were
-# released raises a clear error if it is ever called (a backward run after reconfigure()).
+# reconfigured, and has Dynamo forget its compiles: their cache entries, guards and the
+# backend itself (Note [Forgetting a released module's compiles] in ortlab._compat.torch;
+# without it a discarded module still kept ~0.1 MiB: its report, AOTAutograd functions and
+# graphs). What torch still holds is one small record per compile. A graph whose sessions
+# were released raises a clear error if it is ever called (a backward run after reconfigure()).
 # Each ORTModule gets its own Dynamo cache and recompile budget where torch supports it
 # (2.12+): otherwise every ORTModule of one class shares the per-code cache, and after
 # 64 of them in a process (a notebook cell re-run 64 times) new ones would fall back.
-# (COMPILE_ISOLATION in ortlab._compat.torch.)
+# (COMPILE_ISOLATION in ortlab._compat.torch; Note [Each ORTModule's own recompile budget].)
+
+# Note [Each ORTModule's own recompile budget]
+# ``isolate_recompiles`` checks ``recompile_limit`` against the module's own region of a code
+# object's cache, but Dynamo checks ``accumulated_recompile_limit`` against every region's
+# entries on the code (``total_cache_entries_all_regions``) and against the code's count of
+# compiles (``frame_compile_id``), and it never takes an entry out of the list: a released
+# module's entries stay counted (as records, Note [Forgetting a released module's compiles]),
+# and only ``torch._dynamo.reset_code`` clears them, with every live module's entries on that
+# code (and it is not safe from a finalizer, which may run while Dynamo compiles that very
+# code). So ORTModules of one class added up, alive together or created one after another
+# (hyper-parameter searches, k-fold runs, a re-run notebook cell): the 1,025th raised
+# ``FailOnRecompileLimitHit`` (not even a reported fallback). Every ORTModule (and every
+# reconfigure, a region of its own) therefore adds its budget, its region's ``recompile_limit``,
+# to the accumulated limit: ``_DYNAMO_CONFIG``'s 1024 stays for everything else, the modules'
+# entries can never reach it, and each module's limit is its own region's. Other torch.compile
+# users in the process see the larger accumulated limit (their ``recompile_limit`` holds). A
+# module that reaches its own limit falls back with that reason (``_recompile_limit_hit``), or
+# raises a ``FallbackError`` with ``fallback="raise"``. Without regions (torch before 2.12) the
+# limits stay as they are.
+_LIMIT_HIT = "Dynamo recompile limit exceeded"  # what Dynamo counts as unimplemented when it raises
+_BUDGET_LOCK = threading.Lock()
+_BUDGETS = [0]  # regions ORTModules were given in this process
+
+
+def _accumulated_recompile_limit() -> int:
+    return _DYNAMO_CONFIG["accumulated_recompile_limit"] + _BUDGETS[0] * COMPILE_ISOLATION.get("recompile_limit", 0)
+
+
+def _add_recompile_budget() -> None:
+    """One more module's budget in Dynamo's accumulated limit (Note [Each ORTModule's own recompile budget])."""
+    with _BUDGET_LOCK:
+        _BUDGETS[0] += 1
+        set_dynamo_config({"accumulated_recompile_limit": _accumulated_recompile_limit()})
 
 
 def configure_torch() -> None:
@@ -119,7 +158,8 @@ def configure_torch() -> None:
     cost falls on torch.compile(inductor) models in the same process: their saved
     tensors are no longer freed early during backward.
     """
-    set_dynamo_config(_DYNAMO_CONFIG)
+    with _BUDGET_LOCK:  # the modules' budgets on top (Note [Each ORTModule's own recompile budget])
+        set_dynamo_config({**_DYNAMO_CONFIG, "accumulated_recompile_limit": _accumulated_recompile_limit()})
     ignore_once_only_logging()  # Note [Once-only log calls inside captured code]
     if disable_donated_buffers():
         logger.info("ortlab turned off torch._functorch.config.donated_buffer (see ORTModule docs)")
@@ -298,13 +338,8 @@ class ORTModule(nn.Module):
         report = Report(hints=hints)
         backend = OrtlabBackend(self._ortlab_options, self._ortlab_debug, report, self._ortlab_observer,
                                 self._ortlab_sinks)
-        compiled = torch_compile(
-            self._ortlab_module,
-            backend=backend,
-            dynamic=self._ortlab_options.dynamic,
-            fullgraph=self._ortlab_options.fallback == "raise",
-            **COMPILE_ISOLATION,
-        )
+        _add_recompile_budget()  # see Note [Each ORTModule's own recompile budget]
+        compiled = backend.compile(self._ortlab_module, self._ortlab_options.dynamic)
         object.__setattr__(self, "_ortlab_report", report)
         object.__setattr__(self, "_ortlab_backend", backend)
         object.__setattr__(self, "_ortlab_compiled", compiled)
@@ -570,6 +605,8 @@ class ORTModule(nn.Module):
             out = self._capture_failed(e, args, kwargs)
         except TorchDynamoException as e:
             out = self._capture_failed(e, args, kwargs)
+        except FailOnRecompileLimitHit as e:
+            out = self._recompile_limit_hit(e, args, kwargs)
         finally:
             quiet.depth -= 1
         if frames["total"] != self._ortlab_seen[0]:
@@ -609,6 +646,8 @@ class ORTModule(nn.Module):
             if count - skipped_before.get(reason, 0) <= 0:
                 continue
             first = reason.strip().splitlines()[0] if reason.strip() else "unsupported code"
+            if first.startswith(_LIMIT_HIT):
+                continue  # reported once by _recompile_limit_hit, with the limit and its reason
             fb = Fallback(scope="frame", where="ORTModule",
                           reason=f"Dynamo cannot capture this code, so it runs in PyTorch: {first}")
             report.module_fallbacks.append(fb)
@@ -625,6 +664,29 @@ class ORTModule(nn.Module):
         fb = Fallback(scope="module", where="ORTModule", reason=reason)
         self._ortlab_report.module_fallbacks.append(fb)
         warn_fallback(fb)
+        return out
+
+    def _recompile_limit_hit(self, error: Exception, args: tuple, kwargs: dict) -> Any:
+        """Dynamo would capture this module again past its recompile limit: the call runs in PyTorch,
+        reported once (see Note [Each ORTModule's own recompile budget])."""
+        limit = recompile_limit_hit(error)
+        failures = guard_failures_of(self._ortlab_module)
+        reached = (f"Dynamo's {limit} for this module was reached ({len(self._ortlab_report.captures)} captures"
+                   + (f"; the last guard that failed: {failures[-1][:200]})" if failures else ")"))
+        if self._ortlab_options.fallback == "raise":
+            raise FallbackError(
+                f"{reached}: this call would run in PyTorch.\nA module captured this often usually gets new input "
+                "sizes or Python values each call: pass dynamic=True, or use fallback='warn' to run such calls "
+                "in PyTorch."
+            ) from error
+        reason = f"{reached}: calls that no earlier capture's guards accept run in PyTorch"
+        out = self._ortlab_module(*args, **kwargs)
+        report = self._ortlab_report
+        if not any(fb.scope == "module" and fb.reason.startswith(f"Dynamo's {limit} ")
+                   for fb in report.module_fallbacks):
+            fb = Fallback(scope="module", where="ORTModule", reason=reason)
+            report.module_fallbacks.append(fb)
+            warn_fallback(fb)
         return out
 
     # ---------------------------------------------------------------------- export
@@ -647,7 +709,14 @@ class ORTModule(nn.Module):
                 the example. Anything else goes to ``torch.onnx.export`` as it is (its
                 ``dynamic_shapes``: a dict from ``forward``'s parameter names to
                 ``{dim: torch.export.Dim(...)}``).
-            export_kwargs: more ``torch.onnx.export`` arguments.
+            export_kwargs: more ``torch.onnx.export`` arguments. ``optimize`` (default True) runs
+                ortlab's exact optimizer on the model, not torch.onnx's (Note [Exported models
+                optimized exactly]).
+
+        Plain onnxruntime fuses some formulas by their shape alone (a layer norm written out by hand
+        with Pow's exponent or an operand order of its own); ortlab's sessions leave those fusions out,
+        and so can yours: ``InferenceSession(path, disabled_optimizers=list(ortlab.runtime.fusions.
+        left_out(path).left_out))`` (Note [onnxruntime's fusions that change a formula]).
 
         A Hugging Face model is exported with its key/value cache off (``config.use_cache``
         is False during the export): a cache in the outputs cannot be exported, and a model
@@ -658,6 +727,13 @@ class ORTModule(nn.Module):
         """
         module = self._ortlab_module
         kwargs = dict(kwargs or {})
+        # Note [Exported models optimized exactly]
+        # torch.onnx's ``optimize=True`` runs onnxscript's optimize_ir, whose rules take constants within
+        # 1e-5 of a pattern's number for it: ``x / (|x| + 1e-8)`` lost its ``+ 1e-8`` and gave NaN on a zero row
+        # in plain onnxruntime (Note [Pattern constants matched exactly] in ortlab._compat.onnxscript). The
+        # model is exported unoptimized and optimized by ortlab's exact rules; torch.onnx's opset-23 fusions
+        # (RMSNormalization, which reads Pow's 2 the same way) do not run (the default opset is 18).
+        optimize = export_kwargs.pop("optimize", True)
         if isinstance(dynamic_shapes, str):
             if dynamic_shapes != "auto":
                 raise ConfigError(f"dynamic_shapes={dynamic_shapes!r}: use 'auto', None or torch.export's form")
@@ -671,7 +747,11 @@ class ORTModule(nn.Module):
                 config.use_cache = False
             with torch.no_grad():
                 program = torch.onnx.export(module, tuple(example_inputs), kwargs=kwargs or None, dynamo=True,
-                                            dynamic_shapes=dynamic_shapes, **export_kwargs)
+                                            dynamic_shapes=dynamic_shapes, optimize=False, **export_kwargs)
+            if optimize:
+                from ortlab._compat.onnxscript import optimize as optimize_exactly
+
+                optimize_exactly(program.model)
             program.save(path)
         except Exception as e:
             raise OrtlabError(f"could not export the module for inference: {e}") from e

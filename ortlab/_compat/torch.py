@@ -11,9 +11,11 @@ Everything else in ortlab uses torch's public API only. Grouped by what they ser
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +60,11 @@ __all__ = [
     "maybe_mark_dynamic",
     "torch_compile",
     "COMPILE_ISOLATION",
+    "FailOnRecompileLimitHit",
+    "recompile_limit_hit",
+    "CompiledRegion",
+    "compiled_region",
+    "forget_compiles",
     "forget_sizes_seen",
     "guard_failures_of",
     "global_state",
@@ -77,6 +84,7 @@ __all__ = [
     "tensor_version",
     "dynamo_input_source",
     "aot_input_origin",
+    "aot_user_outputs",
 ]
 
 # ----------------------------------------------------------------------------------- op types
@@ -191,6 +199,27 @@ def aot_input_origin(node: torch.fx.Node) -> int | str | None:
     return None
 
 
+# Note [What an AOTAutograd graph's outputs are]: AOTAutograd (2.9+) describes each output of
+# its graphs too, in the output node's ``meta["desc"]`` (one descriptor per output):
+# ``PlainAOTOutput`` (the user's), ``InputMutationAOTOutput`` and ``MetadataMutationAOTOutput``
+# (a mutated input's new value, copied back), ``IntermediateBaseAOTOutput`` (a base it
+# regenerates aliased user outputs from), ``SavedForBackwardsAOTOutput`` (what the backward
+# reads), gradients, tokens. Private (``torch._functorch._aot_autograd.descriptors``); without
+# them every output counts as one the user sees.
+_USER_OUTPUTS = ("PlainAOTOutput", "InputMutationAOTOutput", "MetadataMutationAOTOutput", "IntermediateBaseAOTOutput")
+
+
+def aot_user_outputs(gm: torch.fx.GraphModule) -> list[bool] | None:
+    """Per output of an AOTAutograd forward or inference graph, whether the user sees it (or AOTAutograd
+    makes what the user sees from it) rather than the backward; None where the graph does not say."""
+    out = next((n for n in reversed(gm.graph.nodes) if n.op == "output"), None)
+    descs = out.meta.get("desc") if out is not None else None
+    outputs = out.args[0] if out is not None else None
+    if not isinstance(descs, (list, tuple)) or not isinstance(outputs, (list, tuple)) or len(descs) != len(outputs):
+        return None
+    return [type(d).__name__ in _USER_OUTPUTS for d in descs]
+
+
 # ------------------------------------------------------------------------------ partitioners
 # Note [functorch's partitioners]: ``default_partition`` and
 # ``min_cut_rematerialization_partition`` are what torch.compile itself passes as
@@ -248,12 +277,126 @@ def legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:
 # Note [Isolated compiles]: each ORTModule (and each label-sparsity tail) gets its own Dynamo
 # cache and recompile budget where torch supports it (2.12+, public torch.compile arguments);
 # otherwise every instance of one class shares the per-code cache and, past the limit, new
-# ones would fall back (see Note [Releasing a module's sessions] in ortlab.ortmodule).
+# ones would fall back (see Note [Releasing a module's sessions] in ortlab.ortmodule). Only
+# ``recompile_limit`` is checked per region: ``accumulated_recompile_limit`` still counts every
+# region's entries on a code object (Note [Each ORTModule's own recompile budget] in
+# ortlab.ortmodule).
 COMPILE_ISOLATION: dict[str, Any] = (
     {"isolate_recompiles": True, "recompile_limit": 64}
     if "isolate_recompiles" in inspect.signature(torch.compile).parameters
     else {}
 )
+# Past a recompile limit, with ``fail_on_recompile_limit_hit`` (Note [Process-wide torch
+# settings]), Dynamo raises this; it is not a ``TorchDynamoException`` (2.5+). On a torch without
+# it, a class nothing raises.
+class _NotInThisTorch(Exception):
+    pass
+
+
+FailOnRecompileLimitHit: type[Exception] = getattr(_dynamo_exc, "FailOnRecompileLimitHit", _NotInThisTorch)
+
+
+def recompile_limit_hit(error: BaseException) -> str:
+    """Which limit a ``FailOnRecompileLimitHit`` is about (``recompile_limit``,
+    ``accumulated_recompile_limit``), read from the ``Unsupported`` Dynamo chains to it ("Limit
+    type: ..."); "a recompile limit" where it does not say."""
+    cause = error.__cause__
+    text = str(cause) if cause is not None else ""
+    for limit in ("accumulated_recompile_limit", "recompile_limit"):
+        if f"Limit type: {limit}" in text:
+            return limit
+    return "a recompile limit"
+
+
+# Note [Forgetting a released module's compiles]
+# Dynamo keeps, for every compile, a cache entry on each code object it traced (the guards, the
+# transformed bytecode, torch's wrapper of the backend), the backend itself in
+# ``eval_frame.cached_backends`` (for ``torch._dynamo.reset``), and, for each guard that
+# ID_MATCHes a long-lived object (a class, a Python module, a builtin: 8 for a one-Linear model),
+# a ``weakref.finalize`` on that object holding the guards' ``CheckFunctionManager``. None of it
+# goes when the compiled module is collected: the guards check the module's tensors, not the
+# module, so Dynamo's own invalidation (when an ID_MATCHed object dies) never fires. A discarded
+# ORTModule so kept its backend and report, its AOTAutograd functions, FX and ONNX IR graphs, and
+# the compiled graphs Dynamo stores in the model's module globals (``__compiled_fn_N``): +106 KiB
+# RSS a module (a one-Linear model, 60 modules after 20, gc and malloc_trim), 453 -> 554 MiB over
+# 1,024 modules; glibc's in-use bytes +41-46 KiB and ~550 Python blocks a module, +14-19 KiB and
+# ~90 blocks after (tests/test_module_lifecycle.py). ``forget_compiles`` does for a released
+# module's regions what Dynamo does when an ID_MATCHed object dies: ``ExtraState.invalidate`` on
+# each of their entries, on every code object Dynamo converted (``convert_frame.input_codes``):
+# the entry stays in the code's list as a record
+# with no guards, code or backend (a ``CompileId``), and its bytecode's cleanup hook deletes the
+# ``__compiled_fn_N`` globals. It detaches the finalizers holding those entries' guards (found in
+# ``weakref.finalize._registry``, the stdlib's private registry: nothing else lists them) and takes
+# the backend out of ``cached_backends``. It runs from a finalizer, as Dynamo's own invalidation
+# does. On torch without regions (before 2.12) there are none to forget; where these internals
+# are missing, a warning says once that discarded modules keep their graphs' memory.
+@dataclasses.dataclass(frozen=True)
+class CompiledRegion:
+    """An isolated ``torch.compile``'s region of Dynamo's caches, and torch's wrapper of its backend."""
+
+    region: int
+    backend: Any
+
+
+def compiled_region(compiled: Any) -> CompiledRegion | None:
+    """The region of Dynamo's caches a ``torch.compile``'d module was given (``isolate_recompiles``),
+    or None (not isolated, or another torch)."""
+    ctx = getattr(compiled, "dynamo_ctx", None)
+    region = getattr(ctx, "_isolate_recompiles_id", -1)
+    if not isinstance(region, int) or region < 0:
+        return None
+    try:
+        from torch._dynamo.eval_frame import innermost_backend
+
+        backend = innermost_backend(ctx.callback)
+    except Exception:  # noqa: BLE001 - another torch: the backend stays in torch's cache
+        backend = None
+    return CompiledRegion(region, backend)
+
+
+_FORGET_FAILED: list[str] = []
+
+
+def forget_compiles(regions: list[CompiledRegion], reason: str) -> int:
+    """Drop what Dynamo keeps of these regions' compiles (Note [Forgetting a released module's
+    compiles]); ``reason`` is what Dynamo says of the entries if asked. Returns how many entries."""
+    if not regions:
+        return 0
+    try:
+        from torch._C._dynamo.eval_frame import _get_cache_entries_for_region
+        from torch._dynamo import convert_frame, eval_frame
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
+
+        for r in regions:
+            if r.backend is not None and eval_frame.cached_backends.get(id(r.backend)) is r.backend:
+                del eval_frame.cached_backends[id(r.backend)]
+        ids = {r.region for r in regions}
+        guards: dict[int, Any] = {}  # held until the finalizers are detached, so no id is reused
+        for ref in list(convert_frame.input_codes.seen):
+            code = ref()
+            if code is None:
+                continue
+            for region in ids:
+                for entry in _get_cache_entries_for_region(code, region):
+                    manager = entry.guard_manager
+                    state = getattr(manager, "extra_state", None)
+                    if isinstance(manager, DeletedGuardManagerWrapper) or state is None:
+                        continue
+                    guards[id(manager)] = manager
+                    state.invalidate(entry, DeletedGuardManagerWrapper(reason))
+        if guards:
+            for finalizer, info in list(weakref.finalize._registry.items()):  # type: ignore[attr-defined]
+                owner = getattr(getattr(info.func, "func", None), "__self__", None)
+                if id(getattr(owner, "guard_manager", None)) in guards:
+                    finalizer.detach()
+        return len(guards)
+    except Exception as e:  # noqa: BLE001 - another torch: its caches keep the compiles
+        if not _FORGET_FAILED:
+            _FORGET_FAILED.append(str(e))
+            logging.getLogger("ortlab").warning(
+                "ortlab could not release what torch keeps of a discarded ORTModule's compiles "
+                "(%s: %s); each discarded module keeps its graphs' memory", type(e).__name__, e)
+        return 0
 # The same for ``F.linear`` (``nn.Linear`` in Dynamo's graph is ``torch._C._nn.linear``).
 LINEAR_TARGETS = frozenset({torch._C._nn.linear, torch.nn.functional.linear})
 # And for ``F.gelu`` (``nn.GELU`` and Hugging Face's activations record the C binding).

@@ -41,7 +41,7 @@ from ortlab._compat.torch import (
     unset_fake_temporarily,
 )
 from ortlab.errors import ExportError, first_line
-from ortlab.onnx.guards import add_index_guards
+from ortlab.onnx.guards import add_guards, prepare_guards
 from ortlab.onnx.interface import GraphInterface
 from ortlab.provenance import INPUT_KEY, module_path, op_name, source_line
 from ortlab.stages import count_ops
@@ -212,6 +212,59 @@ def _resolve_inferred_sizes(gm: torch.fx.GraphModule) -> None:
             node.update_arg(1, shape)
 
 
+# Note [A squeeze removes only dims of size 1]
+# ``aten.squeeze.dim(x, d)`` leaves ``x`` as it is where ``x.size(d)`` is not 1; ONNX's
+# ``Squeeze`` with that axis fails instead ("Dimension of input 0 must be 1 instead of 3"),
+# and torchlib translates the one by the other. Dynamo specializes sizes 0 and 1: ``x.squeeze(0)``
+# captured with a batch of 1 has a static 1 there, and its guard sends a batch of 3 to a new
+# capture with a symbolic batch, known to be at least 2. That graph still holds the squeeze (a
+# no-op for every size it will run with: its value keeps the dim), and its Squeeze failed on
+# every call of every later size. A static batch of 3 made a model onnxruntime refused, and the
+# squeeze ran in PyTorch as if onnxruntime lacked the kernel ("onnxruntime rejects ONNX Squeeze
+# on FLOAT"). The graph knows which dims each squeeze removes (its value's
+# shape, Dynamo's guards hold it to that): the export squeezes exactly those, the static 1s, by
+# axis, and a squeeze that removes none is an ``alias`` of its input. ``squeeze()`` without dims
+# (ONNX: whatever is 1 at run time) is given its axes too, so that it cannot remove a dim the
+# graph keeps.
+_SQUEEZES = (torch.ops.aten.squeeze.default, torch.ops.aten.squeeze.dim, torch.ops.aten.squeeze.dims,
+             torch.ops.prims.squeeze.default)
+
+
+def _squeeze_static_ones(gm: torch.fx.GraphModule) -> None:
+    """Each squeeze of ``gm`` squeezes the dims it removes, by axis (Note [A squeeze removes only dims of size 1])."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _SQUEEZES or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        x, val = node.args[0], node.meta.get("val")
+        x_val = x.meta.get("val")
+        if not isinstance(x_val, torch.Tensor) or not isinstance(val, torch.Tensor) or x_val.dim() == 0:
+            continue
+        rank = x_val.dim()
+        if node.target is aten.squeeze.default:
+            dims = list(range(rank))
+        else:
+            dim = node.args[1] if len(node.args) > 1 else next(iter(node.kwargs.values()), None)
+            dims = [dim] if isinstance(dim, int) else list(dim)
+        ones = sorted({d % rank for d in dims if type(x_val.shape[d % rank]) is int and x_val.shape[d % rank] == 1})
+        if len(ones) != rank - val.dim():  # the graph's value says otherwise (a size known only at run time)
+            continue
+        if node.target is aten.squeeze.dim and ones == [dims[0] % rank]:
+            continue  # already exactly that
+        node.kwargs = {}
+        if not ones:
+            node.target, node.args = aten.alias.default, (x,)
+            continue
+        source = x
+        for d in reversed(ones[1:]):  # highest first: the lower axes keep their numbers
+            with gm.graph.inserting_before(node):
+                step = gm.graph.call_function(aten.squeeze.dim, (source, d))
+            step.meta.update(node.meta)  # its model code and module, for the views
+            step.meta["val"] = aten.squeeze.dim(source.meta["val"], d)  # a fake tensor computes a fake result
+            source = step
+        node.target, node.args = aten.squeeze.dim, (source, ones[0])
+
+
 def _number_first_operands(gm: torch.fx.GraphModule) -> None:
     """Rewrite ``aten.sub.Tensor(1.0, x)`` as ``aten.add.Tensor(aten.neg(x), 1.0)`` (the same float
     result: IEEE subtraction adds the negation), and ``add``/``mul`` with a number first with the
@@ -251,7 +304,8 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
             split off the ops placed in PyTorch first, see ``ortlab.runtime.split``).
         name: the ONNX graph name.
         guard_indices: add index guards (forward and no-grad graphs; see
-            Note [Index guards] in ``ortlab.onnx.guards``).
+            Note [Index guards] in ``ortlab.onnx.guards``). Value guards (Note [Value guards]) go into
+            every graph.
         view_outputs: an output that is a reshape of a value the graph computes returns that value,
             for the runner to view in its shape (``output_views``; Note [Graph outputs reshaped in
             PyTorch]). For models run by ortlab's runner only.
@@ -266,8 +320,10 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
     start = time.perf_counter()
     registry = get_registry()
     _number_first_operands(gm)
+    _squeeze_static_ones(gm)
     insert_type_promotion_nodes(gm)
     _resolve_inferred_sizes(gm)
+    prepare_guards(gm)
     model = ir.Model(
         graph=ir.Graph([], [], nodes=[], name=name),
         ir_version=ONNX_IR_VERSION,
@@ -356,7 +412,7 @@ def export_graph(gm: torch.fx.GraphModule, name: str, guard_indices: bool = Fals
     for node in {id(n): n for n in viewed}.values():
         if not any(v.uses() or id(v) in in_outputs for v in node.outputs):
             graph.remove(node, safe=False)
-    guards = add_index_guards(gm, graph, values) if guard_indices else []
+    guards = add_guards(gm, graph, values, indices=guard_indices)  # value guards in every graph
     if not graph.outputs:
         # Every output is an input passed through (dropout in eval, a backward that
         # returns the incoming gradient). onnxruntime refuses a graph without outputs,

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from ortlab._compat.torch import COMPILE_ISOLATION, DYNAMO_CONTROL_FLOW, global_state, maybe_mark_dynamic, torch_compile
+from ortlab._compat.torch import (COMPILE_ISOLATION, DYNAMO_CONTROL_FLOW, CompiledRegion, compiled_region,
+                                  forget_compiles, global_state, maybe_mark_dynamic, torch_compile)
 from ortlab.artifacts import FolderSink
 from ortlab.capture.aot import graph_device, rewrite_calls, trace
 from ortlab.capture.padding import (EmbeddingSparsity, check_embedding_sparsity, embedding_sparsity_off,
@@ -148,9 +149,23 @@ class OrtlabBackend:
         self.sinks = list(sinks)
         self._compiled: dict[str, list[_Compiled]] = {}  # Note [The same graph captured again]
         self._handed: list[_Handed] = []  # what Dynamo was given (Note [What Dynamo keeps of a compiled graph])
+        self._regions: list[CompiledRegion] = []  # Note [Forgetting a released module's compiles]
+
+    def compile(self, module: torch.nn.Module, dynamic: bool | None) -> Callable:
+        """``module`` compiled with this backend, in a region of Dynamo's caches of its own
+        (Note [Isolated compiles]), which ``release`` makes Dynamo forget."""
+        compiled = torch_compile(module, backend=self, dynamic=dynamic, fullgraph=self.options.fallback == "raise",
+                                 **COMPILE_ISOLATION)
+        region = compiled_region(compiled)
+        if region is not None:
+            self._regions.append(region)
+        return compiled
 
     def release(self) -> None:
-        """Free the sessions, models and graphs of every capture (see Note [Releasing a module's sessions])."""
+        """Free the sessions, models and graphs of every capture, and what Dynamo keeps of them
+        (see Note [Releasing a module's sessions])."""
+        regions, self._regions = self._regions, []
+        forget_compiles(regions, "its ORTModule was garbage collected or reconfigured (ortlab released it)")
         for handed in self._handed:
             handed.fn = None
         self._handed = []
@@ -168,12 +183,11 @@ class OrtlabBackend:
         ortlab makes itself (a label-sparsity tail, a graph on packed rows)."""
         options = dataclasses.replace(self.options, dynamic=dynamic, **changes)
         backend = OrtlabBackend(options, self.debug, self.report, self.observer, self.sinks, purpose=purpose)
-        backend._handed = self._handed  # released with this backend
-        return torch_compile(module, backend=backend, dynamic=dynamic, fullgraph=options.fallback == "raise",
-                             **COMPILE_ISOLATION)
+        backend._handed, backend._regions = self._handed, self._regions  # released with this backend
+        return backend.compile(module, dynamic)
 
     def _with_packed_rows(self, gm: torch.fx.GraphModule, found: EmbeddingSparsity) -> Callable:
-        """``found.graph`` (``gm`` on the tokens that are not padding), checked on the first padded batch.
+        """``found.graph`` (``gm`` on the tokens that are not padding), checked on every padded batch.
 
         Both graphs are compiled by a backend like this one, lazily: the rewritten one with a
         symbolic row count, the original only when the check fails (see Note [Embedding
@@ -182,17 +196,17 @@ class OrtlabBackend:
         of = label(len(self.report.captures))
         record = found.record
         state: dict[str, Callable | None] = {"packed": None, "dense": None}
-        checked = False
 
         def run(*args: object) -> object:
-            nonlocal checked
             keep = found.keep(args)
             rows = args[found.ids_position].numel()  # type: ignore[union-attr]
-            if not checked and keep.numel() < rows:
-                checked = True
+            if record.applied and keep.numel() < rows:
+                # Each padded batch: whether padded rows reach the outputs depends on its ids, mask and labels.
                 problem = check_embedding_sparsity(gm, found, args, keep)
                 if problem is not None:
-                    record.applied, record.reason = False, f"the first padded batch failed the check: {problem}"
+                    which = ("the first padded batch" if record.steps == 0
+                             else f"the padded batch after {record.steps} step(s)")
+                    record.applied, record.reason = False, f"{which} failed the check: {problem}"
                     warnings.warn(f"ortlab: embedding sparsity is off for graph {of}: {problem}", stacklevel=2)
                     state["packed"] = None
             if record.applied:
