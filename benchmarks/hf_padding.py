@@ -9,7 +9,7 @@ with the attention mask a tokenizer gives and labels -100 on padding), dropout o
 padded rows count as a change and the check keeps every row), beside eager. Losses and gradients are compared at rtol 1e-4 / atol 1e-5. Each line says whether
 embedding sparsity applied (and how many rows it dropped) or why not: a model whose
 embedding has no ``padding_idx``, or whose padded tokens change the others' results (the
-check on the first padded batch), keeps every row; either way the numbers must be eager's.
+check on each padded batch), keeps every row; either way the numbers must be eager's.
 
     python benchmarks/hf_padding.py              # every text architecture (~3 minutes on 2 cores)
     python benchmarks/hf_padding.py roberta opt  # some

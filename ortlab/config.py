@@ -218,9 +218,10 @@ class Options:
             on the tokens that are not an embedding's ``padding_idx`` (see Note [Embedding
             sparsity] in ``ortlab.capture.padding``). Off by default: it assumes the padded
             tokens do not change the others' results (the attention mask masks them out) and
-            returns zeros in the padded rows of token-shaped outputs. The first batch with
-            padding checks the assumption (the rewritten graph against the original, in
-            PyTorch, dropout off) and drops the rewrite, with the reason, when it does not hold.
+            returns zeros in the padded rows of token-shaped outputs. Each batch with padding
+            checks the assumption on the captured graph, for every value of the parameters
+            (an attention mask or a padding mask must stop the padded rows) and drops the
+            rewrite, with the reason and a warning, when it cannot prove it.
         cache_dir: a folder for the on-disk cache of the models onnxruntime runs; a
             later process with the same graph, options and library versions skips
             export and optimization.

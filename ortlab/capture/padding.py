@@ -35,18 +35,29 @@ on the tokens that are not padding, and its head and loss on the labelled ones.
 The contract, which the caller opts into (``Options.embedding_sparsity``, off by default):
 the padded tokens do not change the result of the others (the attention mask masks them
 out as keys, as a tokenizer's ``attention_mask`` does) and the graph's outputs are not read
-in padded rows (they are zeros there). The loss and every gradient are then those of eager,
-up to float rounding, while the padded rows' work is skipped. A model that attends to its
-padded tokens breaks the contract: its results would change. So the first batch with padding
-checks it (``check_embedding_sparsity``): the rewritten graph and the original run in PyTorch
-on the same inputs, random ops (dropout) off, and (1) every output must agree on the kept rows
-(scalar outputs such as the loss entirely) within float32 tolerance, and (2) the outputs on the
-kept rows must not depend on any padded row that ``unpack`` sets to zero where eager's value is
-not zero: their gradient by those rows must be exactly 0, as a masked-out key's is (its
-softmax weight is 0). (1) alone misses a tiny randomly initialized model whose near-uniform
-attention moves the loss by 1e-6 where it moves the gradients by 1e-4. When either fails the
-rewrite is dropped for good, with a warning and the reason in the report. A batch without
-padding runs the rewritten graph (every row kept: eager's results) and checks nothing.
+in padded rows (they are zeros there; the report names those outputs). The loss and every
+gradient are then those of eager, up to float rounding, while the padded rows' work is
+skipped. A model that attends to its padded tokens breaks the contract: its results would
+change. So every batch with padding is checked before it runs (``check_embedding_sparsity``):
+
+(1) on the original graph, for every value of the parameters at once, no output may read a
+    padded row that ``unpack`` sets to zero, other than through ops that ignore it (a masked
+    softmax, a multiplication by the padding mask, a label that does not count, an index that
+    skips it): Note [Proving the padded rows unread] in ``ortlab.capture.padding_reach``. It
+    reads this batch's ids, attention mask and labels, which is why each padded batch is
+    checked (a sentence padded at the token a classifier reads, a collator's mask that lets
+    padding in). An earlier check compared values on the first padded batch (the outputs,
+    and their gradient by the padded rows), which no check on values can make sound: a gate
+    initialised to 0 in front of an unmasked mean passed it, and the losses drifted from
+    eager's as soon as the gate moved;
+(2) on the first padded batch, the rewritten graph and the original run in PyTorch on the
+    same inputs, random ops (dropout) off, and every output must agree on the kept rows
+    (scalar outputs such as the loss entirely) within float32 tolerance: a check of the
+    rewrite itself (an op taken for row-wise that is not), which (1) takes for granted.
+
+When either fails the rewrite is dropped for good, with a warning and the reason in the
+report, and the graph runs on every row: eager's results. A batch without padding runs the
+rewritten graph (every row kept: eager's results) and checks nothing.
 
 With dropout on, the packed rows draw their masks from the random stream in another order
 than eager's padded tensor, so losses match eager's in distribution, not bit for bit.
@@ -69,6 +80,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ortlab._compat.torch import GELU_TARGETS, LINEAR_TARGETS, SDPA_TARGETS, pytree
+from ortlab.capture.padding_reach import PaddedRowsReach
 from ortlab.provenance import module_path, source_line
 from ortlab.report import PaddingRecord
 
@@ -150,6 +162,9 @@ class EmbeddingSparsity:
     record: PaddingRecord
     ids_position: int
     padding_idx: int
+    # The proof, on the original graph, that no output reads a padded row (run on each padded batch).
+    reach: PaddedRowsReach | None = None
+    compared: bool = False  # the first padded batch compared both graphs' values (a check of the rewrite)
 
     def keep(self, args: Sequence[object]) -> torch.Tensor:
         """The flat indices of the tokens that are not padding, for one call's inputs."""
@@ -165,7 +180,17 @@ class EmbeddingSparsity:
 
 def traced(graph: torch.fx.GraphModule) -> torch.nn.Module:
     """``graph`` in a module Dynamo traces whole: it does not trace into a ``GraphModule``'s own call,
-    so ``torch.compile(graph)`` would run it eagerly and compile each function it calls alone."""
+    so ``torch.compile(graph)`` would run it eagerly and compile each function it calls alone.
+
+    Dynamo hands its backend a lazily compiled ``GraphModule`` whose ``forward`` generates its code on
+    the first call, a function Dynamo refuses to trace (a graph break, then the frame ran in PyTorch
+    with a ``FallbackWarning``, when the original graph was compiled after the rewritten one had run).
+    A copy as a plain ``GraphModule`` has its code from the start.
+    """
+    if type(graph) is not torch.fx.GraphModule:
+        plain = torch.fx.Graph()
+        plain.output(plain.graph_copy(graph.graph, {}))
+        graph = torch.fx.GraphModule(graph, plain)
     return _Traced(graph)
 
 
@@ -225,6 +250,7 @@ def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | Pad
     seeds_new = {node_of[s] for s, i, p in seeds if i is seeds[0][1] and p == padding_idx}
     lead = ids_val.dim()
     lead_shape = tuple(ids_val.shape)
+    original = {copy: orig for orig, copy in node_of.items()}
     with graph.inserting_after(node_of[placeholders[-1]]):
         keep = graph.placeholder("padding_keep")
 
@@ -242,7 +268,6 @@ def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | Pad
             with graph.inserting_after(packed[n]):
                 u = graph.call_function(unpack, (packed[n], keep, ids))
             u.meta.update(n.meta)
-            u.meta["ortlab_unpacks"] = n.name  # the original graph's node it stands for (the check reads it)
             unpacked[n] = u
         return unpacked[n]
 
@@ -298,6 +323,7 @@ def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | Pad
             if a in packed:
                 node.replace_input_with(a, unpack_of(a))
     out_node = next(iter(graph.find_nodes(op="output")))
+    zeroed = [i for i, o in enumerate(pytree.tree_leaves(out_node.args[0])) if o in packed]
     for a in list(out_node.all_input_nodes):
         if a in packed:
             out_node.replace_input_with(a, unpack_of(a))
@@ -309,9 +335,14 @@ def find_embedding_sparsity(gm: torch.fx.GraphModule) -> EmbeddingSparsity | Pad
     if packed_ops == 0:
         return PaddingRecord(False, "no row-wise op follows the embedding", **where)
     new.recompile()
-    record = PaddingRecord(True, f"padding_idx {padding_idx} of the graph input {ids.target} {tuple(lead_shape)}",
-                           packed_ops=packed_ops, unpacks=len(unpacked), **where)
-    return EmbeddingSparsity(new, record, ids_position, padding_idx)
+    reason = f"padding_idx {padding_idx} of the graph input {ids.target} {tuple(lead_shape)}"
+    if zeroed:
+        reason += (f"; output{'s' if len(zeroed) > 1 else ''} {', '.join(map(str, zeroed))} laid out by token "
+                   f"{'hold' if len(zeroed) > 1 else 'holds'} zeros in the padded rows (eager's values there are "
+                   "not computed)")
+    record = PaddingRecord(True, reason, packed_ops=packed_ops, unpacks=len(unpacked), **where)
+    reach = PaddedRowsReach(gm, {original[n].name for n in packed if n in original}, ids_position)
+    return EmbeddingSparsity(new, record, ids_position, padding_idx, reach)
 
 
 def _lm_heads(graph: torch.fx.Graph) -> set[torch.fx.Node]:
@@ -406,54 +437,43 @@ def _without_dropout(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-class _Probe(torch.fx.Interpreter):
-    """Runs a rewritten graph with the padded rows of every ``unpack`` as a tensor to differentiate by."""
-
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.fills: list[tuple[str, torch.Tensor]] = []  # (the original node it stands for, the fill)
-
-    def run_node(self, n: torch.fx.Node) -> object:
-        if n.op == "call_function" and n.target is unpack:
-            p, keep, ids = self.map_nodes_to_values(n.args, n)
-            fill = p.detach().new_zeros((ids.numel(), *p.shape[1:])).requires_grad_()
-            self.fills.append((n.meta["ortlab_unpacks"], fill))
-            return torch.index_put(fill, (keep,), p).unflatten(0, ids.shape)
-        return super().run_node(n)
-
-
-class _Record(torch.fx.Interpreter):
-    """Runs a graph and keeps the values of the nodes named in ``names``."""
-
-    def __init__(self, gm: torch.fx.GraphModule, names: set[str]) -> None:
-        super().__init__(gm)
-        self.names, self.values = names, {}
-
-    def run_node(self, n: torch.fx.Node) -> object:
-        out = super().run_node(n)
-        if n.name in self.names:
-            self.values[n.name] = out
-        return out
-
-
 def check_embedding_sparsity(gm: torch.fx.GraphModule, found: EmbeddingSparsity, args: Sequence[object],
                              keep: torch.Tensor) -> str | None:
-    """Whether skipping the padded rows changes ``gm``'s results on ``args`` (see Note [Embedding sparsity]).
+    """Whether skipping the padded rows could change ``gm``'s results on ``args`` (see Note [Embedding
+    sparsity]); called on every batch with padding, before the rewritten graph runs it.
 
-    Runs the original and the rewritten graph in PyTorch, dropout off, from the same random
-    state, on copies of the inputs that are not parameters (a BatchNorm updates its buffers in
-    place). Two questions, each answered on the kept rows of every output:
+    Two questions:
 
-    - do the outputs agree (within float32 tolerance)? A wrong rewrite would show here;
-    - does a padded row's zero, where eager has another value, reach them? The rows ``unpack``
-      fills with zeros are differentiated by: a masked-out token gets exactly zero gradient
-      (its softmax weight is 0), while a token the model attends to does not, however small
-      its effect on the values (a randomly initialized model's attention is near uniform, and
-      a loss may move by 1e-6 where the gradients move by 1e-4). An element whose eager value
-      is 0 anyway (``h * mask`` unpacked for a masked mean) may have any gradient.
+    - can a padded row reach an output, for any value of the parameters? Decided on the graph,
+      with this batch's ids, attention mask and labels (Note [Proving the padded rows unread]
+      in ``ortlab.capture.padding_reach``). This is what makes skipping them sound;
+    - on the first padded batch only: do the rewritten graph and the original agree on the
+      kept rows, run in PyTorch (dropout off, from the same random state, on copies of the
+      inputs that are not parameters: a BatchNorm updates its buffers in place)? A check of
+      the rewrite itself (an op taken for row-wise that is not would show here), not of the
+      padded rows' influence, which values on one batch cannot show.
 
     Returns the first problem, in words, or None.
     """
+    assert found.reach is not None
+    problem = found.reach.check(args, keep)
+    if problem is not None:
+        return problem
+    weakest = found.reach.weakest_mask
+    if weakest is not None:  # what the proof assumes, in the report (Note [Proving the padded rows unread])
+        base = found.record.reason.split("; mask values down to")[0]
+        found.record.reason = (f"{base}; mask values down to {weakest:g} taken as masking (a masked score's weight "
+                               f"is exactly 0 while no score exceeds another by {abs(weakest) - 104:g}, as eager's "
+                               "masking assumes)")
+    if found.compared:
+        return None
+    found.compared = True
+    return _compare(gm, found, args, keep)
+
+
+def _compare(gm: torch.fx.GraphModule, found: EmbeddingSparsity, args: Sequence[object],
+             keep: torch.Tensor) -> str | None:
+    """Whether the rewritten graph gives the original's outputs on the kept rows, on ``args``."""
     ids = args[found.ids_position]
     assert isinstance(ids, torch.Tensor)
     lead = ids.dim()
@@ -466,42 +486,21 @@ def check_embedding_sparsity(gm: torch.fx.GraphModule, found: EmbeddingSparsity,
         return pack(t, keep, lead) if t.dim() >= lead and tuple(t.shape[:lead]) == tuple(ids.shape) else t
 
     devices = [ids.device.index or 0] if ids.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
         rng = torch.get_rng_state()
-        names = {n.meta["ortlab_unpacks"] for n in found.graph.graph.nodes if n.target is unpack}
-        record = _Record(_without_dropout(gm), names)
-        with torch.no_grad():
-            ref = record.run(*copies())
+        ref = _without_dropout(gm)(*copies())
         torch.set_rng_state(rng)
-        probe = _Probe(_without_dropout(found.graph))
-        with torch.enable_grad():
-            got = probe.run(*copies(), keep)
-        refs, gots = pytree.tree_leaves(ref), pytree.tree_leaves(got)
-        weighted = []
-        for i, (r, g) in enumerate(zip(refs, gots)):
-            if not isinstance(r, torch.Tensor):
-                continue
-            r, g = kept(r), kept(g)
-            if r.is_floating_point() or r.is_complex():
-                if not torch.allclose(g.detach(), r, rtol=_RTOL, atol=_ATOL, equal_nan=True):
-                    diff = (g.detach() - r).abs().max().item()
-                    return (f"output {i} changed by up to {diff:.3g} on the tokens that are not padding, so the "
-                            f"padded tokens change the others' results (is an attention mask masking them out?)")
-                if g.requires_grad:
-                    # Random weights: outputs that cancel out in a plain sum cannot hide a dependence.
-                    weighted.append((g * torch.randn_like(g)).sum())
-            elif not torch.equal(g, r):
-                return f"output {i} (integers) changed on the tokens that are not padding"
-        if weighted and probe.fills:
-            grads = torch.autograd.grad(sum(weighted), [f for _, f in probe.fills], allow_unused=True)
-            for (name, fill), grad in zip(probe.fills, grads):
-                eager = record.values.get(name)
-                if grad is None or not isinstance(eager, torch.Tensor):
-                    continue
-                leak = grad.abs() * (eager.reshape(fill.shape) != 0)
-                if leak.max().item() > 0:
-                    return (f"the outputs on the tokens that are not padding depend on the padded tokens' values "
-                            f"at {name} (gradient up to {leak.max().item():.3g} where a masked-out token has 0), "
-                            f"so the padded tokens change the others' results (is an attention mask masking "
-                            f"them out?)")
+        got = _without_dropout(found.graph)(*copies(), keep)
+    for i, (r, g) in enumerate(zip(pytree.tree_leaves(ref), pytree.tree_leaves(got))):
+        if not isinstance(r, torch.Tensor):
+            continue
+        r, g = kept(r), kept(g)
+        if r.is_floating_point() or r.is_complex():
+            if not torch.allclose(g, r, rtol=_RTOL, atol=_ATOL, equal_nan=True):
+                diff = (g - r).abs().max().item()
+                return (f"output {i} changed by up to {diff:.3g} on the tokens that are not padding, where the "
+                        "padded tokens were proven not to reach it: the rewrite computed something else (please "
+                        "report)")
+        elif not torch.equal(g, r):
+            return f"output {i} (integers) changed on the tokens that are not padding (please report)"
     return None
