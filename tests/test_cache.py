@@ -111,7 +111,9 @@ def test_a_cpu_with_other_instruction_sets_misses(tmp_path, monkeypatch):
     step(first, copy.deepcopy(base), x)
     here = _versions.library_versions()
     assert here.endswith(f"+{_versions.instruction_sets()}")
-    monkeypatch.setattr(_versions, "instruction_sets", lambda: "avx,avx2,fma,f16c")
+    # the other machine's set: AVX-512's or AVX2's, whichever this machine's is not
+    other = "avx,avx2,fma,f16c" if _versions.instruction_sets() != "avx,avx2,fma,f16c" else "avx,avx2,avx512f,fma,f16c"
+    monkeypatch.setattr(_versions, "instruction_sets", lambda: other)
     _versions.library_versions.cache_clear()
     try:
         assert _versions.library_versions() != here
