@@ -175,7 +175,7 @@ def _key(sample: Any) -> str:
         if isinstance(v, torch.Tensor):
             h.update(f"T{v.dtype}{tuple(v.shape)}{v.stride()}{v.storage_offset()}{v.requires_grad}".encode())
             if v.numel():
-                h.update(v.detach().clone().contiguous().numpy().tobytes())
+                h.update(v.detach().reshape(-1).clone().numpy().tobytes())  # numpy takes at most 64 dims
         elif isinstance(v, (list, tuple)):
             h.update(b"(" if isinstance(v, tuple) else b"[")
             for x in v:
@@ -409,6 +409,8 @@ def _differs(expected: Any, actual: Any, tols: Callable[[torch.dtype], tuple[flo
         if expected.shape != actual.shape:
             return f"{what}: shape {tuple(actual.shape)} where eager's is {tuple(expected.shape)}"
         e, a = expected.detach(), actual.detach()
+        if e.is_complex():  # the real and imaginary parts, each as a float of the complex's precision
+            return _differs(torch.view_as_real(e.resolve_conj()), torch.view_as_real(a.resolve_conj()), tols, what)
         if e.is_floating_point():
             tol = tols(e.dtype)
             if not bool(torch.isclose(a, e, rtol=tol[0], atol=tol[1], equal_nan=True).all()):
@@ -459,7 +461,8 @@ def _float64_judge(op: Any, case: _Case, expected: Any, actual: Any, grads_e: An
     def up(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
             widen = v.dtype == torch.float32 or (promotes and not v.dtype.is_floating_point and v.dtype != torch.bool)
-            w = v.detach().to(torch.float64) if widen else v.detach().clone()
+            w = v.detach().to(torch.float64) if widen else (
+                v.detach().to(torch.complex128) if v.dtype == torch.complex64 else v.detach().clone())
             return w.requires_grad_(v.requires_grad) if w.is_floating_point() else w
         if isinstance(v, list):
             return [up(x) for x in v]
@@ -491,6 +494,8 @@ def _float64_judge(op: Any, case: _Case, expected: Any, actual: Any, grads_e: An
 
     def close(e: Any, a: Any, r: Any) -> bool:
         if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor) and isinstance(r, torch.Tensor):
+            if e.is_complex() and a.is_complex() and r.is_complex():
+                e, a, r = (torch.view_as_real(t.detach().resolve_conj()) for t in (e, a, r))
             if not e.is_floating_point():
                 return torch.equal(e, a)
             e64, a64, r64 = e.detach().double(), a.detach().double(), r.detach().double()
