@@ -142,6 +142,23 @@ class GraphRecord:
         return sum(getattr(part.runner, "race", None) is not None for part in self.parts)
 
     @property
+    def fusions_left_out(self) -> list[str]:
+        """Why this graph's sessions go without onnxruntime optimizations that would change its numbers, beyond the
+        ones no session gets (``ortlab.runtime.fusions.ALWAYS_LEFT_OUT``), once per distinct reason."""
+        from ortlab.runtime.fusions import ALWAYS_REASON
+
+        out: list[str] = []
+        for part in self.parts:
+            source = getattr(part.runner, "session_source", None)
+            choice = getattr(source, "fusions", None)
+            if choice is None:
+                continue
+            for reason in choice.reasons:
+                if reason != ALWAYS_REASON and reason not in out:
+                    out.append(reason)
+        return out
+
+    @property
     def providers_now(self) -> str:
         """``providers``, and how many parts are still measuring theirs."""
         if not self.measuring:
@@ -329,6 +346,7 @@ class Report:
                 if g.threads:
                     lines.append(f"             threads: {g.threads}")
                 lines.extend(f"             note: {note}" for note in g.notes)
+                lines.extend(f"             onnxruntime fusion left out: {why}" for why in g.fusions_left_out)
             if c.plan is not None:
                 p = c.plan
                 lines.append(
@@ -343,6 +361,12 @@ class Report:
                 lines.append(f"  {count}x {text}")
         else:
             lines.append("fallbacks to PyTorch: none")
+        if any(part.runner is not None and getattr(part.runner, "session_source", None) is not None
+               for c in self.captures for g in c.graphs for part in g.parts):
+            from ortlab.runtime.fusions import ALWAYS_LEFT_OUT
+
+            lines.append(f"onnxruntime optimizations no session runs: {', '.join(ALWAYS_LEFT_OUT)} (they change a "
+                         "formula: Note [onnxruntime's fusions that change a formula] in ortlab.runtime.fusions)")
         files = [f for c in self.captures for f in c.files]
         if files:
             lines.append(f"saved stages: {len(files)} files, e.g. {files[0]}")

@@ -458,3 +458,22 @@ def test_ondevice_artifacts_keep_eps_on_a_zero_row(tmp_path):
     assert loss == pytest.approx(expected.item(), rel=1e-6)
     for name, p in eager.named_parameters():
         np.testing.assert_allclose(state.gradients[name], p.grad.numpy(), rtol=1e-5, atol=1e-7)
+
+
+class _NearGelu(nn.Module):
+    """A hand-written GELU whose 0.5 is an ulp off: onnxruntime's GeluFusion would take it for 0.5."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * _up(0.5) * (1 + torch.erf(x / math.sqrt(2.0)))
+
+
+def test_the_report_says_which_fusions_a_model_goes_without_and_why():
+    om = ortlab.ORTModule(_NearGelu())
+    x = torch.linspace(-4, 4, 64).reshape(8, 8)
+    torch.testing.assert_close(om(x), _NearGelu()(x), rtol=0, atol=1e-6)
+    text = str(om.report)
+    assert "onnxruntime fusion left out: GeluFusionL1: the constant" in text, text
+    assert "onnxruntime optimizations no session runs: LayerNormFusionL1, LayerNormFusionL2, NoopElimination" in text
+    plain = ortlab.ORTModule(nn.GELU())
+    plain(x)
+    assert "fusion left out" not in str(plain.report), str(plain.report)

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-__all__ = ["ALWAYS_LEFT_OUT", "FusionChoice", "left_out"]
+__all__ = ["ALWAYS_LEFT_OUT", "ALWAYS_REASON", "FusionChoice", "left_out"]
 
 # Note [onnxruntime's fusions that change a formula]
 # onnxruntime 1.32, checked on hand-built models (tests/test_exact_constants.py keeps each as an
@@ -45,6 +45,8 @@ __all__ = ["ALWAYS_LEFT_OUT", "FusionChoice", "left_out"]
 #   is treated alike.
 # Constants onnxruntime folds itself (onnxscript's optimizer off or failed) are not seen here.
 ALWAYS_LEFT_OUT = ("LayerNormFusionL1", "LayerNormFusionL2", "NoopElimination")
+ALWAYS_REASON = ("LayerNormFusion does not read Pow's exponent or its operands' order; NoopElimination turns "
+                 "-0.0 + 0.0, which is +0.0, into -0.0 (Note [onnxruntime's fusions that change a formula])")
 
 _NEAR_MISSES: tuple[tuple[tuple[str, ...], tuple[float, ...]], ...] = (
     (("GeluFusionL1", "GeluFusionL2"), (math.sqrt(2.0), math.sqrt(0.5), 1.0, 0.5)),
@@ -114,8 +116,7 @@ def left_out(model: bytes | str | onnx.ModelProto) -> FusionChoice:
         ('LayerNormFusionL1', 'LayerNormFusionL2', 'NoopElimination')
     """
     names = list(ALWAYS_LEFT_OUT)
-    reasons = ["LayerNormFusion does not read Pow's exponent or its operands' order; NoopElimination turns "
-               "-0.0 + 0.0 into -0.0 (Note [onnxruntime's fusions that change a formula])"]
+    reasons = [ALWAYS_REASON]
     try:
         values = set(_scalars(_model(model).graph))
     except Exception as e:  # noqa: BLE001 - a model onnx cannot read: onnxruntime will say why; none of them runs
