@@ -380,3 +380,35 @@ def test_float32_statistics_that_overflow_match_eager():
     _compare(STATISTICS, x, grad=False)
     # the gradient of a layer whose variance overflowed is NaN, as eager's, not zeros
     _compare({"layer_norm": STATISTICS["layer_norm"]}, x[:1], rtol=1e-5, atol=1e-6)
+
+
+class _Pools(nn.Module):
+    def forward(self, x2: torch.Tensor, x3: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (*F.max_pool2d(x2, 2, return_indices=True), *F.max_pool2d(x2, 3, 1, 1, 2, return_indices=True),
+                *F.max_pool2d(x2[0], 2, return_indices=True), *F.max_pool3d(x3, 2, return_indices=True),
+                F.max_pool2d(x2, 3, 2, ceil_mode=True))
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["static", "symbolic"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_max_pools_over_a_nan_take_its_index_and_send_its_gradient_there(dtype, dynamic):
+    """Note [A max pool's NaN and its index]: a window holding NaNs is NaN, its index the last NaN's (in raster
+    order), and the gradient goes there; windows with one, two or no NaN, with padding, dilation and ceil mode; marks
+    in float32 for sizes known small, float64 for symbolic ones."""
+    gen = torch.Generator().manual_seed(0)
+    x2 = torch.randn(2, 3, 7, 7, generator=gen, dtype=dtype)
+    x2[torch.rand(x2.shape, generator=gen) < 0.08] = NAN
+    x3 = torch.randn(1, 2, 4, 4, 4, generator=gen, dtype=dtype)
+    x3[torch.rand(x3.shape, generator=gen) < 0.05] = NAN
+    results = []
+    for module in (_Pools(), ortlab.ORTModule(_Pools(), dynamic=dynamic)):
+        a, b = x2.clone().requires_grad_(), x3.clone().requires_grad_()
+        outs = module(a, b)
+        sum(o.nan_to_num(0.0).mul(1.5).sum() for o in outs if o.is_floating_point()).backward()
+        results.append((outs, a.grad, b.grad))
+    (outs_e, *grads_e), (outs_o, *grads_o) = results
+    assert any(o.isnan().any() for o in outs_e if o.is_floating_point())
+    for i, (o, e) in enumerate(zip(outs_o, outs_e)):
+        _assert_same(f"output {i}", o, e, 0, 0, signed_zeros=True)
+    for o, e in zip(grads_o, grads_e):
+        torch.testing.assert_close(o, e, rtol=0, atol=0, equal_nan=True)

@@ -12,8 +12,7 @@ Max pools (``max_pool2d``/``max_pool3d`` with their indices, which every trainin
 AOTAutograd's no-grad graphs use): ONNX ``MaxPool`` skips NaN too, on the CPU provider and on
 OpenVINO; a window holding one came out as the largest number beside it where PyTorch gives NaN.
 The translation takes torchlib's pool and puts NaN where a ``MaxPool`` of the input's NaN flags
-finds one. The indices of such a window stay the pool's (PyTorch's are its last NaN's): they only
-route the gradient of a loss that is NaN.
+finds one, and its index where PyTorch's is, the window's last NaN (the gradient goes there, as in eager).
 
 ``index_put(..., accumulate=True)`` (an embedding's backward): torchlib emits
 ``ScatterND(reduction="add")``, which onnxruntime's CPU provider runs in parallel
@@ -175,16 +174,30 @@ def _pool_with_nan(torchlib_pool, spatial: int):  # noqa: ANN001, ANN202
         strides = expand(stride) if stride else kernel_shape
         pads = expand(padding)
         pads = pads * 2 if len(pads) == spatial else pads
-        flags = op.CastLike(op.IsNaN(self), self)
+        # Note [A max pool's NaN and its index]: each NaN marked by its place in the plane plus one (0 elsewhere); the
+        # window's largest mark is its last NaN in raster order, PyTorch's choice (its kernel takes
+        # ``val > max || isnan(val)``), and the gradient goes there as in eager. The marks are float32, exact up to
+        # 2**24 places, where the plane's size is known to be no more (the MaxPool runs on as many floats as the
+        # pooled input: float64 cost 20-40% of a ResNet stem's pool step); float64 (2**53) otherwise.
+        known = [d for d in self.shape[-spatial:] if isinstance(d, int)] if self.shape is not None else []
+        small = len(known) == spatial and math.prod(known) < 2**24
+        kind = ir.DataType.FLOAT if small else ir.DataType.DOUBLE
+        plane = op.Shape(self, start=-spatial)
+        count = op.Cast(op.ReduceProd(plane, keepdims=0), to=kind)
+        one = op.Constant(value=ir.tensor(1.0, dtype=kind))
+        places = op.Reshape(op.Range(one, op.Add(count, one), one), plane)
+        marks = op.Mul(op.Cast(op.IsNaN(self), to=kind), places)
         unbatched = len(self.shape) == spatial + 1
         if unbatched:
-            flags = op.Unsqueeze(flags, op.Constant(value_ints=[0]))
-        found, _ = op.MaxPool(flags, ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernel_shape, pads=pads,
+            marks = op.Unsqueeze(marks, op.Constant(value_ints=[0]))
+        found, _ = op.MaxPool(marks, ceil_mode=ceil_mode, dilations=dilations, kernel_shape=kernel_shape, pads=pads,
                               strides=strides)  # (onnxscript's optimizer drops the unused indices)
         if unbatched:
             found = op.Squeeze(found, op.Constant(value_ints=[0]))
-        has_nan = op.Greater(found, op.CastLike(op.Constant(value_float=0.0), found))
-        return op.Where(has_nan, op.CastLike(op.Constant(value_float=math.nan), values), values), indices
+        has_nan = op.Greater(found, op.Constant(value=ir.tensor(0.0, dtype=kind)))
+        last_nan = op.Cast(op.Sub(found, one), to=ir.DataType.INT64)
+        return (op.Where(has_nan, op.CastLike(op.Constant(value_float=math.nan), values), values),
+                op.Where(has_nan, last_nan, indices))
 
     return pool
 
