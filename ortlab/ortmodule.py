@@ -607,6 +607,13 @@ class ORTModule(nn.Module):
             out = self._capture_failed(e, args, kwargs)
         except FailOnRecompileLimitHit as e:
             out = self._recompile_limit_hit(e, args, kwargs)
+        except Exception as e:
+            # Note [An error raised while Dynamo traces]: Dynamo re-raises some errors of its tracing as they are
+            # (an IndexError of a fake-tensor kernel: torch.cat of 0-dim tensors, where eager raises RuntimeError),
+            # marked with the tracer's output. Nothing ran yet: eager decides, as for any capture failure.
+            if not hasattr(e, "_torch_dynamo_tracer_output") or isinstance(e, OrtlabError):
+                raise
+            out = self._capture_failed(e, args, kwargs)
         finally:
             quiet.depth -= 1
         if frames["total"] != self._ortlab_seen[0]:

@@ -173,3 +173,27 @@ def test_on_cuda_a_guard_is_an_assert_queued_on_the_device():
         check_on_device([embedding, indexing], [torch.tensor([0, 9, 10]), torch.tensor([-11, 0, 10])])
     with pytest.raises(RuntimeError):
         check_on_device([embedding], [torch.tensor([-1, 3, 10])])
+
+
+class _CatScalars(torch.nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.cat([a, b])
+
+
+class _RaisesItself(torch.nn.Module):
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        if a.shape[0] > 2:
+            raise ValueError("the model's own check")
+        return a * 2
+
+
+def test_an_error_dynamo_raises_while_tracing_is_eager_s():
+    """Note [An error raised while Dynamo traces]: torch.cat of 0-dim tensors fails in a fake-tensor kernel with an
+    IndexError; eager's RuntimeError is what the user gets, and the model's own exceptions stay its own."""
+    with pytest.raises(RuntimeError, match="zero-dimensional tensor .* cannot be concatenated"):
+        ortlab.ORTModule(_CatScalars())(torch.tensor(1.0), torch.tensor(2.0))
+    om = ortlab.ORTModule(_RaisesItself())
+    with pytest.raises(ValueError, match="the model's own check"):
+        om(torch.ones(3))
+    torch.testing.assert_close(om(torch.ones(2)), torch.full((2,), 2.0))
+    assert not om.report.module_fallbacks, om.report.module_fallbacks
