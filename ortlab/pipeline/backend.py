@@ -32,6 +32,7 @@ from ortlab.errors import CaptureError, DeviceError, FallbackError, ParityWarnin
 from ortlab.partition.recompute import partition_joint
 from ortlab.pipeline.graph import compile_graph
 from ortlab.pipeline.part import GraphContext
+from ortlab.pipeline.unused_outputs import absent_aware, watching
 from ortlab.provenance import input_names, name_inputs
 from ortlab.report import CaptureRecord, Fallback, Report, warn_fallback
 from ortlab.runtime.observe import GraphObserver
@@ -317,12 +318,20 @@ class OrtlabBackend:
 
         names = input_names(traced)  # the views name graph inputs after them (blocks.0.ln1.weight)
 
+        def compile_variant(fx: torch.fx.GraphModule, note: str) -> Callable:
+            fn, record = compile_graph(fx, "backward", "train", ctx)
+            record.notes.append(note)
+            capture.graphs.append(record)
+            return fn
+
         def compiler(name: str, graph_mode: str) -> Callable:
             def compile_(fx: torch.fx.GraphModule, _inputs: Sequence[object]) -> Callable:
                 name_inputs(fx, names)
                 seconds = split_s.pop() if name == "forward" and split_s else 0.0
                 fn, record = compile_graph(fx, name, graph_mode, ctx, split_s=seconds)
                 capture.graphs.append(record)
+                if name == "backward":  # Note [Gradients of outputs a loss does not use]
+                    fn = absent_aware(fx, fn, compile_variant)
                 return fn
 
             return compile_
@@ -365,7 +374,7 @@ class OrtlabBackend:
         capture.capture_s = time.perf_counter() - start - sum(g.export_s + g.session_s for g in capture.graphs)
         self.report.captures.append(capture)
         if compiled is not gm.forward:
-            compiled = _Handed(compiled)
+            compiled = _Handed(watching(compiled) if mode == "train" else compiled)
             self._handed.append(compiled)
             if identity is not None:
                 self._compiled.setdefault(identity, []).append(_Compiled(index, state, constants, compiled,
