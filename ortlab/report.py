@@ -144,19 +144,16 @@ class GraphRecord:
     @property
     def fusions_left_out(self) -> list[str]:
         """Why this graph's sessions go without onnxruntime optimizations that would change its numbers, beyond the
-        ones no session gets (``ortlab.runtime.fusions.ALWAYS_LEFT_OUT``), once per distinct reason."""
-        from ortlab.runtime.fusions import ALWAYS_REASON
-
+        ones no session gets, once per distinct reason."""
         out: list[str] = []
-        for part in self.parts:
-            source = getattr(part.runner, "session_source", None)
-            choice = getattr(source, "fusions", None)
-            if choice is None:
-                continue
-            for reason in choice.reasons:
-                if reason != ALWAYS_REASON and reason not in out:
-                    out.append(reason)
+        for choice in self._fusion_choices():
+            out.extend(r for r in choice.model_reasons if r not in out)
         return out
+
+    def _fusion_choices(self) -> list[Any]:
+        """Each session's ``ortlab.runtime.fusions.FusionChoice``."""
+        sources = [getattr(part.runner, "session_source", None) for part in self.parts]
+        return [s.fusions for s in sources if getattr(s, "fusions", None) is not None]
 
     @property
     def providers_now(self) -> str:
@@ -361,11 +358,10 @@ class Report:
                 lines.append(f"  {count}x {text}")
         else:
             lines.append("fallbacks to PyTorch: none")
-        if any(part.runner is not None and getattr(part.runner, "session_source", None) is not None
-               for c in self.captures for g in c.graphs for part in g.parts):
-            from ortlab.runtime.fusions import ALWAYS_LEFT_OUT
-
-            lines.append(f"onnxruntime optimizations no session runs: {', '.join(ALWAYS_LEFT_OUT)} (they change a "
+        always = next((c.always for cap in self.captures for g in cap.graphs for c in g._fusion_choices()
+                       if c.always), ())
+        if always:
+            lines.append(f"onnxruntime optimizations no session runs: {', '.join(always)} (they change a "
                          "formula: Note [onnxruntime's fusions that change a formula] in ortlab.runtime.fusions)")
         files = [f for c in self.captures for f in c.files]
         if files:

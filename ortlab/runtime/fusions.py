@@ -67,6 +67,16 @@ class FusionChoice:
     left_out: tuple[str, ...] = ()
     reasons: tuple[str, ...] = ()
 
+    @property
+    def always(self) -> tuple[str, ...]:
+        """The ones no session runs (:data:`ALWAYS_LEFT_OUT`) among ``left_out``."""
+        return tuple(name for name in self.left_out if name in ALWAYS_LEFT_OUT)
+
+    @property
+    def model_reasons(self) -> tuple[str, ...]:
+        """Why this model goes without more than those."""
+        return tuple(r for r in self.reasons if r != ALWAYS_REASON)
+
 
 def _exactly(expected: float) -> frozenset[float]:
     """``expected`` as float16, float32 and float64 store it."""
