@@ -55,7 +55,7 @@ __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_l
            "trilinear_as_einsum", "copy_broadcast", "mv_as_mm", "addmv_as_mm", "scatter_reduce_mean", "copysign",
            "fake_quantize_cachemask", "fake_quantize_per_channel_cachemask", "replication_pad_backward",
            "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
-           "diagonal_scatter", "adaptive_avg_pool2d_backward", "weight_norm_interface_backward",
+           "diagonal_scatter", "adaptive_avg_pool2d_backward", "weight_norm_interface_backward", "gather_empty",
            "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward", "prims_prod"]
 
 aten = torch.ops.aten
@@ -121,7 +121,10 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten.copy.default] = copy_broadcast
     table[aten.mv.default] = mv_as_mm
     table[aten.addmv.default] = addmv_as_mm
-    table[aten.scatter_reduce.two] = scatter_reduce_mean
+    table[aten.scatter_reduce.two] = _of_a_scalar(scatter_reduce_mean, aten.scatter_reduce.two)
+    for op in (aten.scatter.src, aten.scatter.value, aten.scatter_add.default):
+        table[op] = _of_a_scalar(None, op)
+    table[aten.gather.default] = gather_empty
     table[aten.copysign.Tensor] = copysign
     table[aten.copysign.Scalar] = copysign
     table[aten.slice_scatter.default] = slice_scatter_nothing
@@ -639,6 +642,49 @@ def scatter_reduce_mean(self: torch.Tensor, dim: int, index: torch.Tensor, src: 
     if self.is_floating_point() or self.is_complex():
         return total / count
     return torch.div(total, count, rounding_mode="floor")
+
+
+# Note [Scatters of a 0-dim tensor]
+# PyTorch scatters into and gathers from a 0-dim tensor as into one of one element (dim 0 or -1), and
+# accepts an index of another rank when it is empty. ONNX's ScatterElements and GatherElements want
+# data and indices of one rank, at least 1: the backward of every ``max(dim)``, ``kthvalue``, ``median``,
+# ``cummax``, ``sort``, ``topk`` and ``gather`` of a 0-dim tensor (a scatter of its gradient) failed in
+# onnxruntime ("axis out of range"), as did those ops' forward. A 0-dim tensor's scatter is the scatter
+# of its one-element view, with the index and source flattened (the source cut to the index's length);
+# an empty index of another rank scatters nothing (``self``) and gathers nothing (an empty tensor of the
+# index's shape). A source larger than the index (PyTorch reads its leading index-sized block) is cut to
+# the index's shape, which ScatterElements requires (onnxruntime refused such a scatter).
+
+
+def _of_a_scalar(inner: Callable[..., object] | None, op: OpOverload) -> Callable[..., object]:
+    """``op`` (a scatter) decomposed for a 0-dim ``self`` or an empty index of another rank (Note [Scatters of a 0-dim
+    tensor]); ``inner(...)`` (or ``NotImplemented``, the op itself) otherwise."""
+
+    def scatter(self: torch.Tensor, dim: int, index: torch.Tensor, src: object, *rest: object,
+                **kwargs: object) -> object:
+        if self.dim() == 0:
+            flat = index.reshape(-1)
+            source = src.reshape(-1)[: flat.shape[0]] if isinstance(src, torch.Tensor) and src.dim() else src
+            if isinstance(source, torch.Tensor) and source.dim() == 0:
+                source = source.reshape(1)
+            return op(self.reshape(1), 0, flat, source, *rest, **kwargs).reshape(())
+        if index.dim() != self.dim() and index.numel() == 0:
+            return self.clone()
+        if isinstance(src, torch.Tensor) and src.dim() == index.dim() and src.shape != index.shape:
+            # PyTorch reads the source's leading index-sized block; ScatterElements wants them alike
+            src = src[tuple(slice(0, n) for n in index.shape)]
+            return op(self, dim, index, src, *rest, **kwargs)
+        return inner(self, dim, index, src, *rest, **kwargs) if inner is not None else NotImplemented
+
+    return scatter
+
+
+def gather_empty(self: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_grad: bool = False) -> object:
+    """``gather`` with an empty index of another rank than ``self``'s: an empty tensor of the index's shape (Note
+    [Scatters of a 0-dim tensor]); ``NotImplemented`` (torchlib's translation) otherwise."""
+    if self.dim() != 0 and index.dim() != self.dim() and index.numel() == 0:
+        return self.new_zeros(index.shape)
+    return NotImplemented
 
 
 # Note [diagonal_scatter as a scatter into the flattened matrices]

@@ -147,14 +147,18 @@ def add_guards(gm: torch.fx.GraphModule, graph: ir.Graph, values: dict[str, Any]
             if not isinstance(data_value, ir.Value) or not isinstance(index_value, ir.Value) or \
                     not isinstance(data_val, torch.Tensor) or not _is_integer(index):
                 continue
-            dim = _dim(int(dim), data_val.dim())
             k = len(guards)
+            if data_val.dim() == 0:  # PyTorch indexes a 0-dim tensor as one of size 1 along dim 0 (or -1)
+                dim = 0
+                size = _const([1], f"ortlab_guard_{k}_size")
+            else:
+                dim = _dim(int(dim), data_val.dim())
+                size = ir.node("Shape", [data_value], attributes={"start": dim, "end": dim + 1})
             as_int64 = ir.node("Cast", [index_value], attributes={"to": ir.DataType.INT64})
             shape = _const([-1], f"ortlab_guard_{k}_flat")
             flat = ir.node("Reshape", [as_int64.outputs[0], shape.outputs[0]])
             low = ir.node("ReduceMin", [flat.outputs[0]], attributes={"keepdims": 1})
             high = ir.node("ReduceMax", [flat.outputs[0]], attributes={"keepdims": 1})
-            size = ir.node("Shape", [data_value], attributes={"start": dim, "end": dim + 1})
             out = ir.node("Concat", [low.outputs[0], high.outputs[0], size.outputs[0]], attributes={"axis": 0})
             nodes = [as_int64, shape, flat, low, high, size, out]
             nodes += _clip_for(node, index_value, as_int64.outputs[0], size.outputs[0], lowest, index, k)
