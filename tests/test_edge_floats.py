@@ -412,3 +412,23 @@ def test_max_pools_over_a_nan_take_its_index_and_send_its_gradient_there(dtype, 
         _assert_same(f"output {i}", o, e, 0, 0, signed_zeros=True)
     for o, e in zip(grads_o, grads_e):
         torch.testing.assert_close(o, e, rtol=0, atol=0, equal_nan=True)
+
+
+class _Splits(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return a.max(), b.min(), c.median(), d.nanmedian()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_an_even_split_of_a_negative_gradient_leaves_positive_zeros(dtype):
+    """Note [An even split of the gradient as the CPU kernel writes it]: max(), min(), median() and nanmedian()
+    over all elements, with ties and a NaN, backward from a negative gradient: +0.0 where eager's CPU kernel has
+    (each its own input: a sum of the inputs' gradients would add +0.0 to every -0.0)."""
+    rows = ([1.0, 3.0, 3.0, -2.0], [0.5, -4.0, -4.0, 2.0], [1.0, 2.0, 3.0, 4.0], [NAN, 1.0, 2.0, 3.0])
+    grads = []
+    for module in (_Splits(), ortlab.ORTModule(_Splits())):
+        inputs = [torch.tensor(r, dtype=dtype, requires_grad=True) for r in rows]
+        sum(-1.5 * o for o in module(*inputs)).backward()
+        grads.append([t.grad for t in inputs])
+    for i, (ours, eager) in enumerate(zip(*grads)):
+        _assert_same(f"gradient {i}", ours, eager, 0, 0, signed_zeros=True)

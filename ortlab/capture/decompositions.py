@@ -56,6 +56,8 @@ __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_l
            "fake_quantize_cachemask", "fake_quantize_per_channel_cachemask", "replication_pad_backward",
            "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
            "diagonal_scatter", "adaptive_avg_pool2d_backward", "weight_norm_interface_backward", "gather_empty",
+           "arange_float", "linspace_integer", "masked_scatter_of_a_bool_mask",
+           "nll_loss_backward_signed",
            "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward", "prims_prod"]
 
 aten = torch.ops.aten
@@ -125,6 +127,14 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     for op in (aten.scatter.src, aten.scatter.value, aten.scatter_add.default):
         table[op] = _of_a_scalar(None, op)
     table[aten.gather.default] = gather_empty
+    table[aten.arange.start_step] = arange_float
+    table[aten.nll_loss_backward.default] = nll_loss_backward_signed
+    table[aten.nll_loss2d_backward.default] = nll_loss_backward_signed
+    table[aten.masked_scatter.default] = masked_scatter_of_a_bool_mask
+    table[aten.arange.start] = arange_float
+    for op in (aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar,
+               aten.linspace.Scalar_Tensor):
+        table[op] = linspace_integer
     table[aten.copysign.Tensor] = copysign
     table[aten.copysign.Scalar] = copysign
     table[aten.slice_scatter.default] = slice_scatter_nothing
@@ -590,6 +600,8 @@ def addmv_as_mm(self: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor, *, bet
                 alpha: complex = 1) -> torch.Tensor:
     """``addmv`` (torchlib: ``MatMul(mat, vec)``, the same fused Transpose) with its product as ``mm``
     (Note [mv as a matrix product]); ``beta == 0`` ignores ``self``, NaN included, as PyTorch does."""
+    if not (mat.is_floating_point() or mat.is_complex()):  # integer addmv takes beta and alpha as integers
+        beta, alpha = int(beta), int(alpha)  # (0.2 -> 0, as PyTorch's Scalar.to<int64_t>())
     product = mv_as_mm(mat, vec)
     product = product if alpha == 1 else product * alpha
     if beta == 0:
@@ -609,13 +621,14 @@ def addmv_as_mm(self: torch.Tensor, mat: torch.Tensor, vec: torch.Tensor, *, bet
 
 def copysign(self: torch.Tensor, other: torch.Tensor | float) -> torch.Tensor:
     """``copysign`` as ``where(other is negative, -|self|, |self|)`` (Note [copysign as a where on the sign])."""
-    magnitude = self.abs()
+    out = torch.result_type(self, other)
+    if not (out.is_floating_point or out.is_complex):  # integers and bools give the default float, as the op's
+        out = torch.get_default_dtype()
+    if isinstance(other, torch.Tensor) and other.is_floating_point():  # its NaNs' signs: the op, in PyTorch
+        return NotImplemented
+    magnitude = self.to(out).abs()
     if not isinstance(other, torch.Tensor):
         return magnitude.neg() if math.copysign(1.0, other) < 0 else magnitude
-    if other.is_floating_point():  # its NaNs' signs: the op, in PyTorch
-        return NotImplemented
-    if not self.is_floating_point():  # integers take the promoted dtype, as the op's
-        magnitude = magnitude.to(torch.result_type(self, other))
     return torch.where(other < 0, magnitude.neg(), magnitude)
 
 
@@ -684,6 +697,94 @@ def gather_empty(self: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_gr
     [Scatters of a 0-dim tensor]); ``NotImplemented`` (torchlib's translation) otherwise."""
     if self.dim() != 0 and index.dim() != self.dim() and index.numel() == 0:
         return self.new_zeros(index.shape)
+    return NotImplemented
+
+
+# Note [Ranges as PyTorch counts them]
+# ONNX's Range computes its length from float32 start, end and step when the output is float32:
+# ``arange(0.1, 1.1)`` had 2 elements (float32's 1.1 - 0.1 is 1.0000000223), PyTorch's 1 (its length is
+# ``ceil((end - start) / step)`` in double), so the output's size differed from the graph's. A float arange of
+# Python numbers is the integer ``arange`` of PyTorch's length, times the step, plus the start (in double, then
+# the dtype). ``linspace`` into an integer dtype is PyTorch's integer kernel: start and end truncated to
+# integers, the step ``(end - start) / (steps - 1)`` in double, the first half counted up from the start and the
+# second down from the end, each truncated (torchlib's float formula was off by one in 9 of 50 elements).
+
+
+def arange_float(start: object, end: object, step: object = 1, *, dtype: torch.dtype | None = None,
+                 layout: object = None, device: object = None, pin_memory: object = None) -> object:
+    """A float ``arange`` of Python numbers with PyTorch's length (Note [Ranges as PyTorch counts them])."""
+    numbers = (start, end, step)
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+        return NotImplemented
+    kind = dtype if dtype is not None else (torch.get_default_dtype() if any(isinstance(v, float) for v in numbers)
+                                            else torch.int64)
+    if not kind.is_floating_point or step == 0:
+        return NotImplemented
+    n = max(0, math.ceil((float(end) - float(start)) / float(step)))
+    counts = torch.arange(n, dtype=torch.int64, device=device).to(torch.float64)
+    return (counts * float(step) + float(start)).to(kind)
+
+
+def linspace_integer(start: object, end: object, steps: int, *, dtype: torch.dtype | None = None,
+                     layout: object = None, device: object = None, pin_memory: object = None) -> object:
+    """``linspace`` into an integer dtype as PyTorch's kernel computes it (Note [Ranges as PyTorch counts them])."""
+    if dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool \
+            or not isinstance(steps, int) or steps < 2:
+        return NotImplemented
+
+    def whole(v: object) -> torch.Tensor:
+        t = v if isinstance(v, torch.Tensor) else torch.tensor(v, device=device)
+        return t.to(torch.float64).trunc().to(torch.int64).to(torch.float64)  # Scalar.to<int64_t>()
+
+    first, last = whole(start), whole(end)
+    step = (last - first) / (steps - 1)
+    idx = torch.arange(steps, dtype=torch.int64, device=device)
+    up = first + step * idx.to(torch.float64)
+    down = last - step * (steps - 1 - idx).to(torch.float64)
+    return torch.where(idx < steps // 2, up, down).trunc().to(dtype)
+
+
+# Note [nll_loss's gradient zero where eager's kernel writes nothing]
+# PyTorch's CPU kernel fills the input's gradient with zeros and writes ``-weight * grad`` at each kept
+# target. torch's decomposition scatters -1 into zeros (an ignored row's at class 0) and multiplies by the
+# gradient, zeroed for ignored rows: ``-1 * 0`` and ``0 * -g`` are -0.0, so float64 cross-entropy's gradient
+# had -0.0 where eager has +0.0 (an ignored row's class 0). Here the kept targets are a mask, and the
+# gradient ``where(mask, -grad * weight, 0)``: eager's value at each target, +0.0 elsewhere.
+
+
+def nll_loss_backward_signed(grad_output: torch.Tensor, self: torch.Tensor, target: torch.Tensor,
+                             weight: torch.Tensor | None, reduction: int, ignore_index: int,
+                             total_weight: torch.Tensor) -> torch.Tensor:
+    """``nll_loss_backward`` and ``nll_loss2d_backward`` with eager's zeros (Note [nll_loss's gradient zero where
+    eager's kernel writes nothing])."""
+    channel_dim = 0 if self.dim() < 2 else 1
+    if reduction == 1:  # mean
+        grad_output = grad_output / total_weight
+    if self.dim() == 1 and target.dim() > 0:
+        target = target[0]
+    target = target.unsqueeze(channel_dim)
+    kept = target != ignore_index
+    hit = torch.zeros_like(self, dtype=torch.bool).scatter(channel_dim, torch.where(kept, target, 0), True) & kept
+    if self.dim() > grad_output.dim() > 0:
+        grad_output = grad_output.unsqueeze(channel_dim)
+    value = -grad_output
+    if weight is not None:
+        shape = [1] * self.dim()
+        shape[channel_dim] = weight.shape[0]
+        value = value * weight.reshape(shape)
+    return torch.where(hit, value, 0.0)
+
+
+_C10_NAMES = {torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long",
+              torch.float16: "Half", torch.bfloat16: "BFloat16", torch.float32: "Float", torch.float64: "Double"}
+
+
+def masked_scatter_of_a_bool_mask(self: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> object:
+    """``masked_scatter`` raises eager's error for a mask that is not bool (its fake kernel and torch's decomposition
+    take a uint8 mask as one, silently); ``NotImplemented`` (torch's decomposition) otherwise."""
+    if mask.dtype != torch.bool:
+        raise RuntimeError("masked_scatter_ only supports boolean masks, but got mask with dtype "
+                           f"{_C10_NAMES.get(mask.dtype, str(mask.dtype))}")
     return NotImplemented
 
 

@@ -24,7 +24,7 @@ import torch
 
 from ortlab._compat.torch import OpOverload
 
-__all__ = ["float_edge_decompositions", "hardtanh_backward", "hardswish_backward", "hardsigmoid_backward",
+__all__ = ["float_edge_decompositions", "even_splits_as_on_cpu", "hardtanh_backward", "hardswish_backward", "hardsigmoid_backward",
            "elu_backward", "celu", "sign", "atan2", "trunc", "frac", "heaviside", "remainder", "div_mode", "clamp_min",
            "clamp_max", "clamp", "vector_norm_inf", "log_softmax_float64", "logaddexp", "logaddexp2", "logcumsumexp",
            "log1p", "expm1", "sigmoid", "silu", "softplus", "xlogy", "erfc", "erfcx", "log_ndtr", "pow_root",
@@ -273,8 +273,12 @@ def log_softmax_float64(self: torch.Tensor, dim: int, half_to_float: bool) -> ob
 # y (-0.0 included) last, in Where's second branch. A NaN stays NaN.
 def atan2(self: torch.Tensor, other: torch.Tensor) -> object:
     """``atan2(y, x)`` with IEEE's signed zeros, infinities and NaN (Note [atan2 from a ratio at most 1])."""
-    if not _floating(self, other) or self.dtype != other.dtype:
+    if not (isinstance(self, torch.Tensor) and isinstance(other, torch.Tensor)) or self.is_complex() \
+            or other.is_complex():
         return NotImplemented
+    out = torch.result_type(self, other)  # integers and bools: the default float (int 0 is +0.0: atan2(0, -3) = pi)
+    out = out if out.is_floating_point else torch.get_default_dtype()
+    self, other = self.to(out), other.to(out)
     ay, ax = self.abs(), other.abs()
     ratio = torch.minimum(ax, ay) / torch.maximum(ax, ay)
     same = torch.where(ax == 0, _const(0.0, ratio), _const(1.0, ratio))
@@ -604,3 +608,46 @@ def float_edge_decompositions() -> dict[OpOverload, Callable]:
         aten.avg_pool3d.default: avg_pool_divisor_override(3),
     }
     return table
+
+
+# Note [An even split of the gradient as the CPU kernel writes it]
+# The gradient of ``max()``, ``min()``, ``median()`` and ``nanmedian()`` over all elements is PyTorch's
+# ``evenly_distribute_backward``: the incoming gradient divided evenly among the elements equal to the
+# result. Its C++ has two branches: on the CPU, ``zeros.masked_fill_(mask, g / count)`` (+0.0 elsewhere);
+# for CUDA and tensor subclasses, ``mask * (g / count)``. AOTAutograd traces with subclasses (fake
+# tensors), so its graph holds the product, whose zeros carry the gradient's sign: a negative gradient gave
+# -0.0 at 124 of 125 elements where eager on the CPU gives +0.0. In a graph on the CPU, that product
+# (recognized by its mask, ``eq(x, v) | (isnan(x) & isnan(v))``) becomes the select the CPU kernel makes.
+def even_splits_as_on_cpu(gm: torch.fx.GraphModule) -> int:
+    """Rewrite the products of ``evenly_distribute_backward`` in ``gm`` as the CPU kernel's select (Note [An even
+    split of the gradient as the CPU kernel writes it]); returns how many."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.mul.Tensor or len(node.args) != 2:
+            continue
+        mask, share = node.args
+        if not (isinstance(mask, torch.fx.Node) and _is_even_split_mask(mask)):
+            continue
+        with gm.graph.inserting_before(node):
+            select = gm.graph.call_function(aten.where.self, (mask, share, 0.0))
+        select.meta = dict(node.meta)
+        node.replace_all_uses_with(select)
+        gm.graph.erase_node(node)
+        count += 1
+    if count:
+        gm.recompile()
+    return count
+
+
+def _is_even_split_mask(mask: torch.fx.Node) -> bool:
+    """``logical_or(eq(x, v), logical_and(isnan(x), isnan(v)))``, evenly_distribute_backward's mask."""
+    if mask.target is not aten.logical_or.default or len(mask.args) != 2:
+        return False
+    eq, both_nan = mask.args
+    if not (isinstance(eq, torch.fx.Node) and isinstance(both_nan, torch.fx.Node)):
+        return False
+    if eq.target is not aten.eq.Tensor or both_nan.target is not aten.logical_and.default:
+        return False
+    nans = both_nan.args
+    return (len(nans) == 2 and all(isinstance(n, torch.fx.Node) and n.target is aten.isnan.default for n in nans)
+            and [n.args[0] for n in nans] == list(eq.args))

@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from ortlab._compat.torch import OpOverload, aot_user_outputs
+from ortlab.capture.float_edges import even_splits_as_on_cpu
 from ortlab.errors import DeviceError, ExportError, FallbackError, InternalError, SessionError, first_line
 from ortlab.pipeline.part import GraphContext, PartBuilder, PlacementRetry
 from ortlab.pipeline.random_draws import draw_random_ahead
@@ -67,6 +68,8 @@ def _compile(gm: torch.fx.GraphModule, name: str, mode: str, ctx: GraphContext,
     record = GraphRecord(name=name, mode=mode, fx_ops=count_ops(shown), capture=ctx.capture, graph_module=gm)
     if ctx.stages.wants(name):
         ctx.stages.emit(StageArtifact(name, ctx.capture, mode, name, content=shown, seconds=split_s))
+    if name == "backward" and ctx.device.type == "cpu":
+        even_splits_as_on_cpu(gm)  # Note [An even split of the gradient as the CPU kernel writes it]
     drawn = draw_random_ahead(gm, ctx.options.fallback_ops)
     if drawn:
         what = ", ".join(f"{n} dropout mask(s)" if kind == "dropout mask" else f"{n} {kind}" for kind, n in drawn.items())

@@ -164,9 +164,10 @@ def rewrite_for_cpu(model: ir.Model, level: str) -> CpuRewrites:
 # gradient), and a kept -0 plus a dropped +0 is +0 (``remainder(-0.0, 1)``, PyTorch's -0.0; the
 # decompositions keep such zeros in Where's second branch, Note [Where keeps -0.0 from its second
 # branch only] in ortlab.capture.float_edges). So:
-# * one term (a constant +0 operand): ``g * !c + 0``, +0 wherever the select writes the constant,
-#   for one more elementwise Add (ResNet-18: 13 of them). A kept -0 comes out +0: the only zero whose
-#   sign differs, a gradient that is exactly -0 where it passes;
+# * one term (a constant +0 operand): ``g * !c + z``, with ``z = (0 - !c) * 0``: -0 where g passes
+#   (``v + -0`` is v, a -0 included) and +0 wherever the select writes the constant (``±0 + +0`` is +0),
+#   for three more elementwise ops (ResNet-18: 13 of them). Until 2026-11-28 ``z`` was +0, and a kept
+#   -0 came out +0 (a pow gradient's -0 at a zero base, 1 of 943,593 in an OpInfo sample);
 # * two terms: the check sums ``1 / product`` instead of the product, which is ±inf at any zero (and
 #   still NaN at a NaN), and the exact Where runs where the sum is not finite. A select of two
 #   tensors that gives exact zeros pays for both; one whose values are never zero (or where an
@@ -285,9 +286,12 @@ def checked_selects(model: ir.Model) -> int:
             nodes.append(_node("IsInf", [total], where))
             nodes.append(_node("Or", [nodes[-2].outputs[0], nodes[-1].outputs[0]], where))
         else:
+            kept = nodes[-2].outputs[0]  # the term's mask as 0 or 1 (the Cast before its Mul)
             zero = ir.node("Constant", [], {"value": ir.tensor(np.zeros((), dtype=out.dtype.numpy()))})
             nodes.append(zero)
-            nodes.append(_node("Add", [terms[0], zero.outputs[0]], where))  # masked: +0, as the select's
+            nodes.append(_node("Sub", [zero.outputs[0], kept], where))  # -1 where kept, +0 where not
+            nodes.append(_node("Mul", [nodes[-1].outputs[0], zero.outputs[0]], where))  # -0 where kept, +0 where not
+            nodes.append(_node("Add", [terms[0], nodes[-1].outputs[0]], where))  # kept: v + -0 = v; masked: +0
             product = nodes[-1].outputs[0]
             nodes.append(_node("ReduceSum", [product], where, keepdims=0))
             nodes.append(_node("IsNaN", [nodes[-1].outputs[0]], where))

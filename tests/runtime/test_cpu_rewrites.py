@@ -80,8 +80,9 @@ def test_a_checked_select_is_the_select(x_zero, special, dtype):
         y[cond] = np.nan
     elif special == "nan_kept":
         y[~cond] = np.nan
-    elif special == "signed_zero":
+    elif special == "signed_zero":  # -0 kept where y passes, +0 where the select writes +0 (or x)
         y[:] = -0.0
+        x[::2] = -x[::2]
     feeds = {"c": cond, "y": y} if x_zero else {"c": cond, "y": y, "x": x}
     plain = _where_model(shape, x_zero, dtype)
     expected = _run(plain, feeds)
@@ -91,6 +92,8 @@ def test_a_checked_select_is_the_select(x_zero, special, dtype):
     got = _run(rewritten, feeds)
     np.testing.assert_array_equal(got, expected)  # NaN where NaN; -0 == 0
     np.testing.assert_array_equal(got, np.where(cond, 0 if x_zero else x, y))
+    numbers = ~np.isnan(expected)  # and the sign of every zero (Note [Signed zeros through a checked multiply])
+    np.testing.assert_array_equal(np.signbit(got)[numbers], np.signbit(expected)[numbers])
 
 
 def test_small_or_broadcast_selects_stay():
