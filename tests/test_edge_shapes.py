@@ -97,3 +97,13 @@ def test_a_source_larger_than_the_index_is_read_as_in_eager(op):
         Scatter()(x, src)
     with pytest.raises(RuntimeError, match="index 34 is out of bounds for dimension 0 with size 3"):
         ortlab.ORTModule(Scatter())(x, src)
+
+
+def test_an_empty_complex_output():
+    class Complex(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return torch.complex(a, b)
+
+    a, b = torch.zeros(0, 1, 3), torch.zeros(0, 10, 3)
+    got, expected = ortlab.ORTModule(Complex())(a, b), Complex()(a, b)
+    assert got.dtype == expected.dtype == torch.complex64 and got.shape == expected.shape == (0, 10, 3)

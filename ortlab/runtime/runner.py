@@ -107,7 +107,16 @@ def _as_complex_or_not(t: object, dtype: torch.dtype | None) -> object:
     """``t`` in ``dtype``'s form: complex, or its float pairs (Note [Complex values cross as float pairs])."""
     if not isinstance(t, torch.Tensor) or dtype is None or t.is_complex() == dtype.is_complex:
         return t
-    return torch.view_as_complex(t) if dtype.is_complex else torch.view_as_real(t)
+    return _complex(t) if dtype.is_complex else torch.view_as_real(t)
+
+
+def _complex(pairs: torch.Tensor) -> torch.Tensor:
+    """``view_as_complex`` of float pairs; an empty one (whose strides onnxruntime leaves as they come, and
+    ``view_as_complex`` wants a last stride of 1) is a new empty complex tensor."""
+    if pairs.numel() == 0:
+        kind = {torch.float64: torch.complex128, torch.float16: torch.complex32}.get(pairs.dtype, torch.complex64)
+        return torch.empty(pairs.shape[:-1], dtype=kind, device=pairs.device)
+    return torch.view_as_complex(pairs)
 
 
 def give_back_freed_heap() -> None:
@@ -425,7 +434,7 @@ class OrtRunner:
                 continue
             t = next(produced)
             if kind == "tensor" and dtype is not None and dtype.is_complex and not t.is_complex():
-                result.append(torch.view_as_complex(t))  # Note [Complex values cross as float pairs]
+                result.append(_complex(t))  # Note [Complex values cross as float pairs]
             elif kind == "tensor":
                 result.append(t.view(torch.bool) if dtype == torch.bool and t.dtype != torch.bool else t)
             elif kind == "int":
