@@ -432,3 +432,28 @@ def test_an_even_split_of_a_negative_gradient_leaves_positive_zeros(dtype):
         grads.append([t.grad for t in inputs])
     for i, (ours, eager) in enumerate(zip(*grads)):
         _assert_same(f"gradient {i}", ours, eager, 0, 0, signed_zeros=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_angle_keeps_nan(dtype):
+    x = torch.tensor([NAN, -1.0, 0.0, -0.0, 2.0, -INF, INF], dtype=dtype)
+    got, expected = ortlab.ORTModule(_Angle())(x), _Angle()(x)
+    _assert_same("angle", got, expected, 0, 0, signed_zeros=True)
+
+
+class _Angle(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.angle(x)
+
+
+class _Spectrum(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfft(x).abs()
+
+
+def test_fourier_transforms_run_in_pytorch_with_the_reason():
+    """Note [Fourier transforms stay in PyTorch]: eager's numbers, and the reason in the report."""
+    x = torch.randn(5, 6, 7)
+    om = ortlab.ORTModule(_Spectrum())
+    torch.testing.assert_close(om(x), _Spectrum()(x), rtol=1e-6, atol=1e-6)
+    assert any("pocketfft" in f.reason for f in om.report.fallbacks), om.report.fallbacks

@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.onnx._internal.exporter import _constants, _core, _decomp, _fx_passes, _ir_passes, _registration
 
 __all__ = [
+    "tangent_positions",
     "OpOverload",
     "HigherOrderOperator",
     "pytree",
@@ -218,6 +219,45 @@ def aot_user_outputs(gm: torch.fx.GraphModule) -> list[bool] | None:
     if not isinstance(descs, (list, tuple)) or not isinstance(outputs, (list, tuple)) or len(descs) != len(outputs):
         return None
     return [type(d).__name__ in _USER_OUTPUTS for d in descs]
+
+
+def tangent_positions(node: object) -> tuple[int, ...] | None:
+    """For the autograd node of an AOTAutograd compiled graph (``CompiledFunctionBackward``): which of the gradients
+    autograd hands it (mutated inputs, outputs, views' bases) become the backward graph's tangents, in order; None
+    where its metadata does not say (another torch, tensor subclasses).
+
+    AOTAutograd's backward prologue keeps the gradients of inputs whose data it mutates and which require grad, of
+    outputs that are no alias (or an unsafe view, or a custom Function's view) and require grad, and of every
+    intermediate base (``_codegen_backward_prologue`` in ``torch/_functorch/_aot_autograd/runtime_wrappers.py``,
+    torch 2.6 to 2.13)."""
+    cls = getattr(node, "_forward_cls", None)
+    cached = getattr(cls, "_ortlab_tangent_positions", False)
+    if cached is not False:
+        return cached
+    positions: tuple[int, ...] | None = None
+    try:
+        from torch._functorch._aot_autograd.schemas import OutputType
+
+        meta = cls.metadata
+        if getattr(cls, "maybe_subclass_metadata", None) is None:
+            mutated = meta.num_mutated_inp_runtime_indices
+            kept = [i for i, idx in enumerate(meta.mutated_inp_runtime_indices)
+                    if meta.input_info[idx].mutates_data and meta.input_info[idx].requires_grad]
+            views = (OutputType.non_alias, OutputType.unsafe_view_alias, OutputType.custom_function_view)
+            for i, info in enumerate(meta.output_info):
+                needs = getattr(info, "requires_grad_for_backward", info.requires_grad)
+                if info.output_type in views and issubclass(info.raw_type, torch.Tensor) and needs:
+                    kept.append(mutated + i)
+            start = mutated + meta.num_outputs
+            kept += range(start, start + meta.num_intermediate_bases)
+            positions = tuple(kept)
+    except Exception:  # noqa: BLE001 - another torch's metadata: no positions, the backward as it is
+        positions = None
+    try:
+        cls._ortlab_tangent_positions = positions
+    except Exception:  # noqa: BLE001
+        pass
+    return positions
 
 
 # ------------------------------------------------------------------------------ partitioners

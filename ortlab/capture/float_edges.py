@@ -265,6 +265,15 @@ def log_softmax_float64(self: torch.Tensor, dim: int, half_to_float: bool) -> ob
     return shifted - torch.log(torch.exp(shifted).sum(dim, keepdim=True))
 
 
+# The angle of a real number is pi below zero and 0 otherwise; PyTorch's kernel keeps a NaN (torchlib's
+# ``where(x < 0, pi, 0)`` made it 0).
+def angle(self: torch.Tensor) -> object:
+    """``angle`` of a real float tensor, NaN kept."""
+    if not _floating(self):
+        return NotImplemented
+    return torch.where(torch.isnan(self), self, torch.where(self < 0, _const(math.pi, self), _const(0.0, self)))
+
+
 # Note [atan2 from a ratio at most 1]
 # torchlib's ``atan2`` is ``atan(y / x)`` plus pi by the signs of ``x < 0`` and ``y < 0``: ``atan2(+0, -1)``
 # was -pi (PyTorch: +pi), ``atan2(0, -0)`` 0 (pi), ``atan2(x, nan)`` 0 (NaN), and both infinite 0 (pi/4).
@@ -580,6 +589,7 @@ def float_edge_decompositions() -> dict[OpOverload, Callable]:
         aten.frac.default: frac,
         aten.heaviside.default: heaviside,
         aten.atan2.default: atan2,
+        aten.angle.default: angle,
         aten.remainder.Tensor: remainder,
         aten.remainder.Scalar: remainder,
         aten.div.Tensor_mode: div_mode,

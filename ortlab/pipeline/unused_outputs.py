@@ -10,20 +10,18 @@ gives 2 (torch.compile does the same). A model that returns an auxiliary output 
 a square root, a normalized vector) and a loss that skips it poisoned the step.
 
 So each compiled graph's autograd node gets a pre-hook that sees which gradients are missing (None)
-before autograd fills them with zeros, and the backward, told so, finds the tangents that are all
-zeros and runs a variant of the backward graph without them: each such tangent is a symbolic zero
-(``_without``) that products, quotients, views and sums keep zero and sums drop, so nothing is
-multiplied by it; a gradient made of nothing but them is None, as in eager. The variant is compiled
-once per set of missing tangents (the report lists it as a backward graph of its own, with a note).
+before autograd fills them with zeros, and the backward, told which of its tangents those are, runs a
+variant of the backward graph without them: each such tangent is a symbolic zero (``_without``) that
+products, quotients, views and sums keep zero and sums drop, so nothing is multiplied by it; a gradient
+made of nothing but them is None, as in eager. The variant is compiled once per set of missing tangents
+(the report lists it as a backward graph of its own, with a note).
 
-Which of the node's gradients are None is known by position in autograd's list (outputs, mutated
-inputs, views' bases), which AOTAutograd maps to tangents by internals that change between torch
-versions; so a tangent counts as missing when it is all zeros and the node had at least as many None
-gradients as there are such tangents. A real gradient of exact zeros beside a missing one (a loss
-term weighted by 0 in the same step as an unused output) is then left out too: eager would multiply
-its zeros, which gives 0 or NaN, where this gives 0. Checking for zeros reads the tangents once,
-only in steps where some output was unused. A graph that draws random numbers in its backward keeps
-its one backward (leaving an op out would shift the draws after it).
+Autograd's gradients map to the backward's tangents as AOTAutograd's backward prologue keeps them
+(``ortlab._compat.torch.tangent_positions``, from the compiled function's metadata); where the metadata
+does not say, or the count differs from the graph's tangents, the backward runs as it is. A real
+gradient of zeros is a tangent like any other (a loss head that kept no row hands its zeros back). A
+graph that draws random numbers in its backward keeps its one backward (leaving an op out would shift
+the draws after it).
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx
 
-from ortlab._compat.torch import OpOverload
+from ortlab._compat.torch import OpOverload, tangent_positions
 from ortlab.placement import is_random
 from ortlab.runtime.split import copy_graph
 
@@ -47,8 +45,18 @@ _NODE = "CompiledFunctionBackward"
 _state = threading.local()
 
 
-def _note_missing(grad_outputs: Sequence[torch.Tensor | None]) -> None:
-    _state.missing = sum(g is None for g in grad_outputs)
+class _Missing:
+    """The pre-hook of one autograd node: which of its tangents are missing, for the backward that follows."""
+
+    __slots__ = ("positions",)
+
+    def __init__(self, positions: tuple[int, ...]) -> None:
+        self.positions = positions
+
+    def __call__(self, grad_outputs: Sequence[torch.Tensor | None]) -> None:
+        _state.missing = (len(self.positions),
+                          tuple(j for j, i in enumerate(self.positions) if i < len(grad_outputs)
+                                and grad_outputs[i] is None))
 
 
 def _compiled_node(t: torch.Tensor) -> object | None:
@@ -76,7 +84,9 @@ def watching(compiled: Callable) -> Callable:
                     node = _compiled_node(o)
                     if node is not None and id(node) not in seen:
                         seen.add(id(node))
-                        node.register_prehook(_note_missing)  # type: ignore[attr-defined]
+                        positions = tangent_positions(node)
+                        if positions:
+                            node.register_prehook(_Missing(positions))  # type: ignore[attr-defined]
         return out
 
     return run
@@ -93,17 +103,14 @@ def absent_aware(fx: torch.fx.GraphModule, fn: Callable,
     variants: dict[tuple[int, ...], Callable | None] = {}
 
     def run(args: list) -> object:
-        missing = getattr(_state, "missing", 0)
-        _state.missing = 0
-        if missing:
-            zero = tuple(i for i in tangents if isinstance(args[i], torch.Tensor) and args[i].is_floating_point()
-                         and not bool(args[i].any()))
-            if zero and len(zero) <= missing:
-                if zero not in variants:
-                    variants[zero] = _variant(fx, [placeholders[i].name for i in zero], compile_variant)
-                variant = variants[zero]
-                if variant is not None:
-                    return variant(args)
+        count, missing = getattr(_state, "missing", (0, ()))
+        _state.missing = (0, ())
+        if missing and count == len(tangents):
+            if missing not in variants:
+                variants[missing] = _variant(fx, [placeholders[tangents[j]].name for j in missing], compile_variant)
+            variant = variants[missing]
+            if variant is not None:
+                return variant(args)
         return fn(args)
 
     run._boxed_call = True  # type: ignore[attr-defined]
