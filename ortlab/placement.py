@@ -300,7 +300,7 @@ def _floating_input(node: torch.fx.Node) -> bool:
 # +0.0 (the fft of one element). Transforms run in PyTorch.
 _FFT = ("onnxruntime's DFT is less accurate than PyTorch's pocketfft in float32 (1.7e-5 on unit values, several "
         "times eager's error against float64) and gives zero imaginary parts as -0.0 where PyTorch gives +0.0")
-_FFTS = ("aten._fft_r2c", "aten._fft_c2c", "aten._fft_c2r")
+_FFTS = ("aten._fft_r2c", "aten._fft_c2c", "aten._fft_c2r", "aten.stft")
 
 
 def _any_node(node: torch.fx.Node) -> bool:

@@ -31,7 +31,7 @@ CASES = {
     "addmv int64, beta 2.7 alpha 3": (lambda a, m, v: torch.addmv(a, m, v, beta=2.7, alpha=3),
                                       (torch.tensor(3), M, torch.arange(10))),
     # copysign of integers and bools is the default float
-    "copysign int64": (lambda a, b: torch.copysign(a, b), (torch.tensor([[1, -2]]), torch.tensor([-1, 0]))),
+    "copysign int64": (lambda a, b: torch.copysign(a, b), (torch.tensor([[1, -2, 0, 0]]), torch.tensor([-1, 0, -3, 2]))),
     "copysign bool, a number": (lambda a: torch.copysign(a, -1.0), (torch.tensor([True, False]),)),
     "copysign bool": (lambda a, b: torch.copysign(a, b), (torch.tensor([True, False]), torch.tensor([False, True]))),
     # an integer 0 is +0.0: atan2(0, negative) is +pi

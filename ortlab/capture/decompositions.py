@@ -629,7 +629,9 @@ def copysign(self: torch.Tensor, other: torch.Tensor | float) -> torch.Tensor:
     magnitude = self.to(out).abs()
     if not isinstance(other, torch.Tensor):
         return magnitude.neg() if math.copysign(1.0, other) < 0 else magnitude
-    return torch.where(other < 0, magnitude.neg(), magnitude)
+    # -|x| in Where's second branch: onnxruntime's Where writes a -0.0 from its first as +0.0 (copysign(0, -1) is
+    # -0.0; Note [Where keeps -0.0 from its second branch only] in ortlab.capture.float_edges)
+    return torch.where(other >= 0, magnitude, magnitude.neg())
 
 
 # Note [scatter_reduce's mean as sums and counts]
