@@ -457,3 +457,23 @@ def test_fourier_transforms_run_in_pytorch_with_the_reason():
     om = ortlab.ORTModule(_Spectrum())
     torch.testing.assert_close(om(x), _Spectrum()(x), rtol=1e-6, atol=1e-6)
     assert any("pocketfft" in f.reason for f in om.report.fallbacks), om.report.fallbacks
+
+
+class _Celu(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.celu(x, alpha=0.8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_celu_keeps_positive_inputs_as_they_are(dtype):
+    """celu is elu(x, alpha, 1, 1/alpha): torchlib's elu scaled the positive side by 1/alpha too (3 -> 3.75)."""
+    x = torch.tensor([-100.0, -3.0, -0.5, -0.0, 0.0, 0.5, 3.0, 100.0, INF, -INF], dtype=dtype)
+    results = []
+    for module in (_Celu(), ortlab.ORTModule(_Celu())):
+        a = x.clone().requires_grad_()
+        out = module(a)
+        out.backward(torch.full_like(out, -1.25))
+        results.append((out.detach(), a.grad))
+    rtol, atol = _tolerances(dtype)
+    _assert_same("celu", results[1][0], results[0][0], rtol, atol, signed_zeros=True)
+    _assert_same("celu's gradient", results[1][1], results[0][1], rtol, atol, signed_zeros=True)

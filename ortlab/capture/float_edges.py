@@ -107,7 +107,8 @@ def hardsigmoid_backward(grad_output: torch.Tensor, self: torch.Tensor) -> objec
 def elu_backward(grad_output: torch.Tensor, alpha: float, scale: float, input_scale: float, is_result: bool,
                  self_or_result: torch.Tensor) -> object:
     """``elu``/``celu``/``selu``'s gradient: the positive branch for ``x > 0`` only, so a NaN input takes the
-    negative branch and gives NaN, as PyTorch's kernel (torch's decomposition tests ``x <= 0``)."""
+    negative branch and gives NaN, as PyTorch's vectorized kernel (its scalar tail, the last few elements of a
+    tensor, passes a NaN input's gradient on; torch's decomposition tests ``x <= 0``)."""
     if not _floating(grad_output, self_or_result):
         return NotImplemented
     x = self_or_result
@@ -117,6 +118,16 @@ def elu_backward(grad_output: torch.Tensor, alpha: float, scale: float, input_sc
     else:
         negative = grad_output * negiptcoef * negcoef * torch.exp(x * negiptcoef)
     return torch.where(x > 0, grad_output * poscoef, negative)
+
+
+def elu(self: torch.Tensor, alpha: float = 1.0, scale: float = 1.0, input_scale: float = 1.0) -> object:
+    """``elu`` as PyTorch's kernel: ``x * scale`` above 0, ``alpha * scale * expm1(x * input_scale)`` at or below
+    (torchlib scaled the positive side by ``input_scale`` too: ``celu(3, alpha=0.8)`` was 3.75; its negative side in
+    Where's second branch keeps ``elu(-0.0)`` -0.0)."""
+    if not _floating(self) or not all(isinstance(v, (int, float)) for v in (alpha, scale, input_scale)):
+        return NotImplemented
+    negative = _const(alpha * scale, self) * torch.expm1(self * _const(input_scale, self))
+    return torch.where(self > 0, self * _const(scale, self), negative)
 
 
 def celu(self: torch.Tensor, alpha: float = 1.0) -> object:
@@ -589,6 +600,7 @@ def float_edge_decompositions() -> dict[OpOverload, Callable]:
         aten.frac.default: frac,
         aten.heaviside.default: heaviside,
         aten.atan2.default: atan2,
+        aten.elu.default: elu,
         aten.angle.default: angle,
         aten.remainder.Tensor: remainder,
         aten.remainder.Scalar: remainder,

@@ -138,9 +138,23 @@ OUT_REASON = ("an out= that eager rejects (its dtype, or its memory overlapping 
               "op into a fresh tensor and a copy (as for torch.compile), so PyTorch's checks of out= never run and the "
               "graph ortlab gets holds no trace of them")
 
+def _nan_input(sample: Any) -> bool:
+    return isinstance(sample.input, torch.Tensor) and sample.input.is_floating_point() and bool(sample.input.isnan().any())
+
+
+# PyTorch's vectorized kernels and their scalar loops (a tensor's last elements, past the last full vector) treat
+# a NaN input apart in some activations' gradients: elu's vector path tests ``x > 0`` and its scalar loop
+# ``x <= 0`` (NaN against the incoming gradient), hardtanh's and hardshrink's blend a comparison's mask that a NaN
+# fails where the scalar loop passes the gradient on. ortlab gives the vector path's answer everywhere.
+VECTOR_TAIL = ("the gradient at a NaN input: PyTorch's vectorized kernel and its scalar tail (the last elements of a "
+               "tensor) disagree; ortlab gives the vectorized kernel's answer everywhere")
+_VECTOR_TAIL_OPS = ("nn.functional.elu", "nn.functional.celu", "nn.functional.selu", "nn.functional.hardtanh",
+                    "nn.functional.relu6", "nn.functional.hardshrink")
+
 # op None: every op.
 KNOWN: list[tuple[str | None, str | None, Callable[[Any], bool] | None, str]] = [
     (None, None, _out_overlaps_an_input, OUT_REASON),
+    *((op, None, _nan_input, VECTOR_TAIL) for op in _VECTOR_TAIL_OPS),
 ]
 
 
