@@ -13,6 +13,7 @@ what a real tensor's elements take.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 
@@ -477,3 +478,20 @@ def test_celu_keeps_positive_inputs_as_they_are(dtype):
     rtol, atol = _tolerances(dtype)
     _assert_same("celu", results[1][0], results[0][0], rtol, atol, signed_zeros=True)
     _assert_same("celu's gradient", results[1][1], results[0][1], rtol, atol, signed_zeros=True)
+
+
+class _PRelu(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.tensor([0.25]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.prelu(x, self.weight)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prelu_keeps_negative_zero(dtype):
+    x = torch.tensor([-0.0, 0.0, -2.0, 3.0, NAN, -INF], dtype=dtype)
+    module = _PRelu().to(dtype)
+    _assert_same("prelu", ortlab.ORTModule(copy.deepcopy(module))(x).detach(), module(x).detach(), 0, 0,
+                 signed_zeros=True)

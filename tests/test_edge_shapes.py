@@ -107,3 +107,20 @@ def test_an_empty_complex_output():
     a, b = torch.zeros(0, 1, 3), torch.zeros(0, 10, 3)
     got, expected = ortlab.ORTModule(Complex())(a, b), Complex()(a, b)
     assert got.dtype == expected.dtype == torch.complex64 and got.shape == expected.shape == (0, 10, 3)
+
+
+@pytest.mark.parametrize("ord", [2, 1, 0.5, float("inf")])
+def test_a_norm_over_every_dim_kept_has_eager_s_shape_and_gradient(ord):
+    class Norm(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.linalg.vector_norm(x, ord, keepdim=True)
+
+    results = []
+    for module in (Norm(), ortlab.ORTModule(Norm())):
+        x = torch.arange(1.0, 7.0).reshape(2, 3).requires_grad_()
+        out = module(x)
+        out.sum().backward()
+        results.append((out.detach(), x.grad))
+    assert results[1][0].shape == results[0][0].shape == (1, 1)
+    torch.testing.assert_close(results[1][0], results[0][0])
+    torch.testing.assert_close(results[1][1], results[0][1])

@@ -130,6 +130,14 @@ def elu(self: torch.Tensor, alpha: float = 1.0, scale: float = 1.0, input_scale:
     return torch.where(self > 0, self * _const(scale, self), negative)
 
 
+def prelu_kernel(self: torch.Tensor, weight: torch.Tensor) -> object:
+    """``_prelu_kernel`` as PyTorch's: ``x`` above 0, ``weight * x`` at or below, in Where's second branch (a -0.0
+    input gives ``weight * -0.0``; float64's form had lost its sign)."""
+    if not _floating(self, weight):
+        return NotImplemented
+    return torch.where(self > 0, self, weight * self)
+
+
 def celu(self: torch.Tensor, alpha: float = 1.0) -> object:
     """``elu(x, alpha, 1, 1 / alpha)``, which is how PyTorch computes it (torchlib's ONNX ``Celu`` gave +0.0 for
     ``celu(-0.0)``, PyTorch's ``expm1(-0.0) * alpha`` -0.0)."""
@@ -254,7 +262,12 @@ def vector_norm_inf(self: torch.Tensor, ord: float = 2.0, dim: object = None, ke
                     *, dtype: torch.dtype | None = None) -> object:
     """``linalg_vector_norm`` with ``ord=±inf`` as ``amax``/``amin`` of ``|x|``, which ortlab translates with NaN
     propagating (onnxruntime's ReduceMax skips NaN: ``norm(p=inf)`` of a row with a NaN was its largest number)."""
-    if not _floating(self) or not isinstance(ord, (int, float)) or not math.isinf(ord) or self.numel() == 0:
+    if not _floating(self) or not isinstance(ord, (int, float)):
+        return NotImplemented
+    if (dim is None or (isinstance(dim, (list, tuple)) and not dim)) and keepdim and self.dim() > 0:
+        # every dim, kept: torchlib's translation dropped them (shape () for [1]; the backward then failed)
+        return torch.ops.aten.linalg_vector_norm(self, ord, list(range(self.dim())), True, dtype=dtype)
+    if not math.isinf(ord) or self.numel() == 0:
         return NotImplemented
     x = self.abs() if dtype is None else self.to(dtype).abs()
     dims = [] if dim is None else ([dim] if isinstance(dim, int) else list(dim))
@@ -601,6 +614,7 @@ def float_edge_decompositions() -> dict[OpOverload, Callable]:
         aten.heaviside.default: heaviside,
         aten.atan2.default: atan2,
         aten.elu.default: elu,
+        aten._prelu_kernel.default: prelu_kernel,
         aten.angle.default: angle,
         aten.remainder.Tensor: remainder,
         aten.remainder.Scalar: remainder,
