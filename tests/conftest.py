@@ -63,9 +63,9 @@ if _WORKERS > 1:
 # the number of tests in a file, so the generated-model run (one test, then ~250 s) and the soak started
 # late and the other worker sat idle for the last ~2 minutes. The files that take longest (measured
 # with --durations=0 on 2 cores) go first, longest first; the rest keep their order.
-_LONGEST_FILES = ("test_browser.py", "test_generated.py", "test_generated_second_half.py", "test_soak.py",
-                  "test_notebooks.py", "test_parity.py", "test_recompute.py", "test_distributed.py", "test_cache.py",
-                  "test_hf.py")
+_LONGEST_FILES = ("test_browser.py", "test_generated.py", "test_generated_second_half.py", "test_opinfo.py",
+                  "test_soak.py", "test_notebooks.py", "test_parity.py", "test_recompute.py", "test_distributed.py",
+                  "test_cache.py", "test_hf.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
