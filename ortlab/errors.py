@@ -97,3 +97,37 @@ def first_line(error: BaseException, limit: int = 300) -> str:
     lines = str(error).strip().splitlines()
     text = lines[0] if lines else ""
     return f"{type(error).__name__}: {text[:limit]}" if text else type(error).__name__
+
+
+# Note [PyTorch's errors found at capture]
+# Some inputs PyTorch refuses are known from what a capture sees: a dtype (``masked_scatter`` with a uint8
+# mask), a Python number (``linspace(300, 0, 5, dtype=torch.int8)``). A decomposition raises PyTorch's own
+# exception, with PyTorch's message, marked by :func:`pytorch_error`; the backend then runs that graph in
+# PyTorch, which raises the same error at the same op, after whatever ran before it. Nothing failed in ortlab
+# (the program fails in eager too), so there is no FallbackWarning and, under ``fallback="raise"``, no
+# ``CaptureError`` in its place; the report lists the graph with the error.
+_PYTORCH_ERROR = "_ortlab_pytorch_error"
+
+
+def pytorch_error(error: Exception) -> Exception:
+    """``error``, marked as the one PyTorch raises for these inputs (Note [PyTorch's errors found at capture]).
+
+    Example:
+        >>> raise pytorch_error(RuntimeError("masked_scatter_ only supports boolean masks, ..."))  # doctest: +SKIP
+    """
+    setattr(error, _PYTORCH_ERROR, True)
+    return error
+
+
+def is_pytorch_error(error: BaseException | None) -> bool:
+    """Is ``error``, or an error it was raised from or during, marked by :func:`pytorch_error`?"""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if getattr(error, _PYTORCH_ERROR, False):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+__all__ += ["pytorch_error", "is_pytorch_error"]

@@ -308,6 +308,36 @@ _FFTS = ("aten._fft_r2c", "aten._fft_c2c", "aten._fft_c2r", "aten.stft")
 _ANTIALIAS = ("onnxruntime's antialiased Resize weighs the input otherwise than PyTorch's antialiased interpolation "
               "(values off by up to 2 on unit inputs)")
 
+# Note [Complex constants stay in PyTorch]
+# onnxruntime has no complex type. torchlib carries a complex tensor as float pairs (a trailing dim of 2, real
+# and imaginary: Note [Complex values cross as float pairs] in ortlab.runtime.runner), and its complex ops
+# translate on those pairs; but a complex Python number (``torch.where(c, 2j, x)``, ``z.masked_fill(m, 1j)``) or
+# a new complex tensor (``torch.zeros(3, dtype=torch.complex64)``, ``torch.full((3,), 1 + 2j)``) became a
+# complex64 ONNX constant, which onnxruntime refused when building the session: the whole graph then ran in
+# PyTorch, or the op as a kernel failure. Such an op runs in PyTorch, and the graph around it in onnxruntime.
+_COMPLEX_CONSTANT = ("a complex number or a new complex tensor: onnxruntime has no complex type, and torchlib's form "
+                     "of complex tensors (real and imaginary parts as float pairs) has no complex constants")
+
+
+# torchlib's complex add, sub, mul and div take a complex number as ``other`` (``z + 1j``, ``x / 1j``), not as
+# ``self`` (``1j - x`` failed in the exporter) nor as ``alpha`` (``torch.add(z, z, alpha=2j)`` was silently
+# wrong).
+_COMPLEX_OTHER = ("aten.add", "aten.sub", "aten.mul", "aten.div")
+
+
+def _makes_complex_constant(node: torch.fx.Node) -> bool:
+    """A complex Python number among the node's arguments (but ``other`` of :data:`_COMPLEX_OTHER`), or a complex
+    tensor made from no tensor."""
+    args = [*node.args, *node.kwargs.values()]
+    if op_name(node) in _COMPLEX_OTHER and len(node.args) == 2 and set(node.kwargs) <= {"alpha"}:
+        args = [node.args[0], *node.kwargs.values()]
+    flat = [v for a in args for v in (a if isinstance(a, (list, tuple)) else (a,))]
+    if any(isinstance(v, complex) for v in flat):
+        return True
+    val = _node_val(node)
+    return (isinstance(val, torch.Tensor) and val.is_complex()
+            and not any(isinstance(v, torch.fx.Node) and isinstance(_node_val(v), torch.Tensor) for v in flat))
+
 
 def _any_node(node: torch.fx.Node) -> bool:
     return True
@@ -426,6 +456,9 @@ def initial_placement(gm: torch.fx.GraphModule, fallback_ops: Sequence[str] = ()
         wrong = next((reason for op, predicate, reason in KNOWN_WRONG if name == op and predicate(node)), None)
         if wrong is not None:
             out[node.name] = Placement.of(node, "known_wrong", wrong)
+            continue
+        if _makes_complex_constant(node):  # Note [Complex constants stay in PyTorch]
+            out[node.name] = Placement.of(node, "known_wrong", _COMPLEX_CONSTANT)
             continue
         if not is_translated(node.target, cache_dir):
             out[node.name] = Placement.of(node, "untranslatable", f"no ONNX translation for {node.target} in torchlib")

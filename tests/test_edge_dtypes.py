@@ -86,3 +86,148 @@ def test_ignored_rows_get_a_positive_zero_gradient_from_cross_entropy(dtype):
         grads.append(a.grad)
     torch.testing.assert_close(grads[1], grads[0])
     assert torch.equal(grads[1].signbit(), grads[0].signbit()), grads
+
+
+# ----------------------------------------------------------------------------- ranges, masks, complex constants
+def _run(fn, args: tuple, **options) -> tuple[object, list[str], ortlab.ORTModule]:  # noqa: ANN001
+    """ORTModule's result (or exception) on ``args``, the FallbackWarnings it gave, and the module."""
+    import warnings
+
+    from ortlab.errors import FallbackWarning
+
+    module = ortlab.ORTModule(_Fn(fn), **options)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = module(*args)
+        except Exception as e:  # noqa: BLE001
+            out = e
+    return out, [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)], module
+
+
+I16, I8 = torch.tensor(0, dtype=torch.int16), torch.tensor(0, dtype=torch.int8)
+EXACT = {
+    # Note [Integer linspace as PyTorch's kernel]: start + step * i rounded once (a fused multiply-add)
+    "linspace int64, rounded once": (lambda x: torch.linspace(-866081, 893750, 1000, dtype=torch.int64) + x,
+                                     (torch.tensor(0),)),
+    "linspace int16, rounded once": (lambda x: torch.linspace(-2626, 1572.9999372271895, 13, dtype=torch.int16) + x,
+                                     (I16,)),
+    "linspace int8, tensor start": (lambda s: torch.linspace(s, -86, 50, dtype=torch.int8), (torch.tensor(40.36),)),
+    "linspace uint8, -1 wraps": (lambda s, e: torch.linspace(s, e, 5, dtype=torch.uint8), (torch.tensor(-1),
+                                                                                        torch.tensor(10))),
+    "linspace int64, one step": (lambda s: torch.linspace(s, 3.0, 1, dtype=torch.int64), (torch.tensor(2 ** 62 + 7),)),
+    # a Python float start failed to capture (torch.tensor in the decomposition)
+    "linspace int64, float start": (lambda x: torch.linspace(-2.0, -3, 50, dtype=torch.int64) + x, (torch.tensor(0),)),
+    # a tensor's ends into a float dtype: torch's decomposition (ortlab's integer one had replaced it)
+    "linspace float32, tensor ends": (lambda s, e: torch.linspace(s, e, 7), (torch.tensor(0.5), torch.tensor(3.0))),
+    # float64 arange(end): exact float64 numbers (torchlib's held them in float32: in PyTorch)
+    "arange float64, end only": (lambda x: torch.arange(3.1, dtype=torch.float64) + x,
+                                 (torch.tensor(0.0, dtype=torch.float64),)),
+    # Note [uint8 indices are masks]: torchlib took them for positions (onnxruntime refused the model)
+    "index_put, uint8 mask": (lambda x, m, v: x.index_put((m,), v), (torch.zeros(3, 4), torch.tensor([1, 0, 1],
+                              dtype=torch.uint8), torch.arange(4.0))),
+    "index_put, uint8 mask, accumulate": (lambda x, m, v: x.index_put((m,), v, accumulate=True),
+                                          (torch.ones(3, 4), torch.tensor([1, 0, 1], dtype=torch.uint8),
+                                           torch.arange(4.0))),
+    # a bool mask's accumulate: ortlab's ScatterElements took it for positions (onnxruntime refused the model)
+    "index_put, bool mask, accumulate": (lambda x, m, v: x.index_put((m,), v, accumulate=True),
+                                         (torch.ones(3, 4), torch.tensor([True, False, True]), torch.arange(4.0))),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT))
+def test_runs_in_onnxruntime_as_eager(name):
+    fn, args = EXACT[name]
+    expected = _Fn(fn)(*args)
+    got, warned, module = _run(fn, args)
+    assert not warned and not module.report.fallbacks, (warned, module.report.fallbacks)
+    assert got.dtype == expected.dtype and got.shape == expected.shape, (got, expected)
+    assert torch.equal(got, expected), (got, expected)
+
+
+BYTE_MASK = "masked_fill_ only supports boolean masks, but got mask with dtype unsigned char"
+ERRORS = {
+    # Note [PyTorch's errors found at capture]: no FallbackWarning, and no CaptureError under fallback="raise"
+    "masked_scatter, uint8 mask": (lambda x, m, s: x.masked_scatter(m, s),
+                                   (torch.zeros(1, 3), torch.tensor([[1, 0, 1]], dtype=torch.uint8), torch.ones(3, 4)),
+                                   "masked_scatter_ only supports boolean masks, but got mask with dtype Byte"),
+    "index_put, uint8 mask, one value": (lambda x, m: x.index_put((m,), torch.tensor(5.0)),
+                                         (torch.zeros(3), torch.tensor([1, 0, 1], dtype=torch.uint8)), BYTE_MASK),
+    "linspace int8, a number out of range": (lambda x: torch.linspace(300, 5, 7, dtype=torch.int8) + x, (I8,),
+                                            "value cannot be converted to type int8_t without overflow"),
+    "linspace int32, NaN": (lambda x: torch.linspace(float("nan"), 5, 7, dtype=torch.int32) + x,
+                            (torch.tensor(0, dtype=torch.int32),), "value cannot be converted to type int without"),
+}
+
+
+@pytest.mark.parametrize("name", list(ERRORS))
+@pytest.mark.parametrize("fallback", ["warn", "raise"])
+def test_pytorch_s_error_found_at_capture_is_raised_as_it_is(name, fallback):
+    fn, args, message = ERRORS[name]
+    with pytest.raises(RuntimeError, match=message):
+        _Fn(fn)(*args)
+    got, warned, _ = _run(fn, args, fallback=fallback)
+    assert type(got) is RuntimeError and message in str(got), repr(got)
+    assert not warned, warned
+
+
+def test_a_tensor_end_out_of_the_dtype_raises_pytorch_s_error_after_the_run():
+    fn = lambda s: torch.linspace(s, 5, 7, dtype=torch.int8)  # noqa: E731
+    message = "value cannot be converted to type int8_t without overflow"
+    for bad in (torch.tensor(300.0), torch.tensor(float("nan"))):
+        with pytest.raises(RuntimeError, match=message):
+            _Fn(fn)(bad)
+    module = ortlab.ORTModule(_Fn(fn))
+    assert torch.equal(module(torch.tensor(-7.5)), _Fn(fn)(torch.tensor(-7.5)))
+    for bad in (torch.tensor(300.0), torch.tensor(float("nan"))):
+        with pytest.raises(RuntimeError, match=message):
+            module(bad)
+    assert not module.report.fallbacks
+
+
+def test_linspace_integer_is_pytorch_s_kernel_on_random_ends():
+    """The decomposition itself, run eagerly, against PyTorch's kernel (errors included)."""
+    import random
+
+    from ortlab.capture.ranges import linspace_integer
+
+    rng = random.Random(0)
+    for _ in range(400):
+        dtype = rng.choice([torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8])
+        lo, hi = {torch.uint8: (-300, 300), torch.int8: (-140, 140), torch.int16: (-33000, 33000),
+                  torch.int32: (-2 ** 31 - 5, 2 ** 31 + 5)}.get(dtype, (-2 ** 62, 2 ** 62))
+        ends = [rng.choice([rng.randint(lo, hi), rng.uniform(lo, hi), torch.tensor(rng.uniform(lo, hi))])
+                for _ in range(2)]
+        steps = rng.choice([1, 2, 3, 13, 50, 1000, rng.randint(1, 3000)])
+        results = []
+        for fn in (torch.linspace, linspace_integer):
+            try:
+                results.append(fn(*ends, steps, dtype=dtype))
+            except RuntimeError as e:
+                results.append(str(e))
+        expected, got = results
+        assert type(expected) is type(got) and (expected == got if isinstance(got, str)
+                                                else torch.equal(expected, got)), (ends, steps, dtype)
+
+
+def test_complex_numbers_run_their_op_in_pytorch_and_the_rest_in_onnxruntime():
+    """Note [Complex constants stay in PyTorch]: the session was refused and the whole graph ran in PyTorch, or
+    (a complex alpha) the value was silently wrong."""
+    x = torch.randn(4, 3)
+    z = torch.complex(x, x.flip(0))
+    cases = [(lambda x: torch.where(x > 0, 2j, x).abs() * 2, (x,)),
+             (lambda x: torch.view_as_real(torch.zeros(3, dtype=torch.complex64) + torch.complex(x[0], x[1])) * 2,
+              (x,)),
+             (lambda z: torch.view_as_real(torch.add(z, z, alpha=2j)) * 2, (z,))]
+    for fn, args in cases:
+        expected = _Fn(fn)(*args)
+        got, _, module = _run(fn, args)
+        torch.testing.assert_close(got, expected)
+        fallbacks = module.report.fallbacks
+        assert fallbacks and all(fb.scope == "op" for fb in fallbacks), fallbacks
+        assert any(fb.kind == "known_wrong" and "no complex type" in fb.reason for fb in fallbacks), fallbacks
+    # torchlib's complex ops on their float pairs, a complex ``other`` included, stay in onnxruntime
+    for fn in (lambda z: torch.view_as_real(z * (1 + 1j) + 1j) * 2, lambda z: (z * z).real + z.abs()):
+        got, _, module = _run(fn, (z,))
+        torch.testing.assert_close(got, _Fn(fn)(z))
+        assert not module.report.fallbacks, module.report.fallbacks

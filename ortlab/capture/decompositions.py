@@ -46,6 +46,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ortlab._compat.torch import OpOverload, aten_decompositions, legacy_reduction, onnx_friendly_decompositions
 from ortlab.capture.float_edges import float_edge_decompositions
 from ortlab.capture.loss_edges import loss_edge_decompositions
+from ortlab.capture.ranges import arange_end_float, arange_float, linspace_integer
+from ortlab.errors import pytorch_error
 from ortlab.torchlib import overload, translated_ops
 
 __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_layer_norm_float64",
@@ -56,7 +58,8 @@ __all__ = ["decomposition_table", "sdpa_math", "convolution_backward", "native_l
            "fake_quantize_cachemask", "fake_quantize_per_channel_cachemask", "replication_pad_backward",
            "slice_scatter_nothing", "mean_of_nothing", "var_of_nothing", "multilabel_margin_loss",
            "diagonal_scatter", "adaptive_avg_pool2d_backward", "weight_norm_interface_backward", "gather_empty",
-           "arange_float", "linspace_integer", "masked_scatter_of_a_bool_mask",
+           "scatter_with_reduce", "index_add_shapes",
+           "arange_float", "linspace_integer", "masked_scatter_of_a_bool_mask", "index_put_of_a_byte_mask",
            "nll_loss_backward_signed",
            "adaptive_max_pool2d_backward", "adaptive_max_pool3d_backward", "prims_prod"]
 
@@ -108,7 +111,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
             functional = op is aten._native_batch_norm_legit_functional.default
             table[op] = _batch_norm_with_float_statistics(_batch_norm_one_mean(table[op], functional))
     table[aten.convolution_backward.default] = convolution_backward
-    table[aten.index_put.default] = index_put_accumulate
+    table[aten.index_put.default] = _first_of(index_put_of_a_byte_mask, index_put_accumulate)
     table[aten.as_strided_scatter.default] = as_strided_scatter_contiguous
     table[aten.avg_pool2d_backward.default] = avg_pool2d_backward
     table[aten.avg_pool3d_backward.default] = avg_pool3d_backward
@@ -127,14 +130,19 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     for op in (aten.scatter.src, aten.scatter.value, aten.scatter_add.default):
         table[op] = _of_a_scalar(None, op)
     table[aten.gather.default] = gather_empty
+    table[aten.scatter.reduce] = scatter_with_reduce
+    table[aten.scatter.value_reduce] = scatter_with_reduce
+    if aten.index_add.default in table:
+        table[aten.index_add.default] = _first_of(index_add_shapes, table[aten.index_add.default])
     table[aten.arange.start_step] = arange_float
     table[aten.nll_loss_backward.default] = nll_loss_backward_signed
     table[aten.nll_loss2d_backward.default] = nll_loss_backward_signed
     table[aten.masked_scatter.default] = masked_scatter_of_a_bool_mask
     table[aten.arange.start] = arange_float
+    table[aten.arange.default] = arange_end_float
     for op in (aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar,
-               aten.linspace.Scalar_Tensor):
-        table[op] = linspace_integer
+               aten.linspace.Scalar_Tensor):  # torch's for a float dtype (a tensor's ends: torchlib has none)
+        table[op] = _first_of(linspace_integer, table[op]) if op in table else linspace_integer
     table[aten.copysign.Tensor] = copysign
     table[aten.copysign.Scalar] = copysign
     table[aten.slice_scatter.default] = slice_scatter_nothing
@@ -669,6 +677,10 @@ def scatter_reduce_mean(self: torch.Tensor, dim: int, index: torch.Tensor, src: 
 # an empty index of another rank scatters nothing (``self``) and gathers nothing (an empty tensor of the
 # index's shape). A source larger than the index (PyTorch reads its leading index-sized block) is cut to
 # the index's shape, which ScatterElements requires (onnxruntime refused such a scatter).
+# An empty index of the same rank does the same: PyTorch checks an index's dtype only when it has
+# elements, so ``gather(x, 0, torch.tensor([], dtype=torch.uint8))`` runs in eager, and its gradient's
+# ScatterElements with uint8 indices was refused by onnxruntime (the op then ran in PyTorch, "onnxruntime
+# rejects ONNX ScatterElements on FLOAT", and with it every other scatter_add of the graph).
 
 
 def _of_a_scalar(inner: Callable[..., object] | None, op: OpOverload) -> Callable[..., object]:
@@ -677,14 +689,14 @@ def _of_a_scalar(inner: Callable[..., object] | None, op: OpOverload) -> Callabl
 
     def scatter(self: torch.Tensor, dim: int, index: torch.Tensor, src: object, *rest: object,
                 **kwargs: object) -> object:
+        if index.numel() == 0:  # of any rank and index dtype: nothing to write
+            return self.clone()
         if self.dim() == 0:
             flat = index.reshape(-1)
             source = src.reshape(-1)[: flat.shape[0]] if isinstance(src, torch.Tensor) and src.dim() else src
             if isinstance(source, torch.Tensor) and source.dim() == 0:
                 source = source.reshape(1)
             return op(self.reshape(1), 0, flat, source, *rest, **kwargs).reshape(())
-        if index.dim() != self.dim() and index.numel() == 0:
-            return self.clone()
         if isinstance(src, torch.Tensor) and src.dim() == index.dim() and src.shape != index.shape:
             # PyTorch reads the source's leading index-sized block; ScatterElements wants them alike
             src = src[tuple(slice(0, n) for n in index.shape)]
@@ -695,55 +707,47 @@ def _of_a_scalar(inner: Callable[..., object] | None, op: OpOverload) -> Callabl
 
 
 def gather_empty(self: torch.Tensor, dim: int, index: torch.Tensor, *, sparse_grad: bool = False) -> object:
-    """``gather`` with an empty index of another rank than ``self``'s: an empty tensor of the index's shape (Note
-    [Scatters of a 0-dim tensor]); ``NotImplemented`` (torchlib's translation) otherwise."""
-    if self.dim() != 0 and index.dim() != self.dim() and index.numel() == 0:
+    """``gather`` with an empty index: an empty tensor of the index's shape (Note [Scatters of a 0-dim tensor]);
+    ``NotImplemented`` (torchlib's translation) otherwise."""
+    if index.numel() == 0:
         return self.new_zeros(index.shape)
     return NotImplemented
 
 
-# Note [Ranges as PyTorch counts them]
-# ONNX's Range computes its length from float32 start, end and step when the output is float32:
-# ``arange(0.1, 1.1)`` had 2 elements (float32's 1.1 - 0.1 is 1.0000000223), PyTorch's 1 (its length is
-# ``ceil((end - start) / step)`` in double), so the output's size differed from the graph's. A float arange of
-# Python numbers is the integer ``arange`` of PyTorch's length, times the step, plus the start (in double, then
-# the dtype). ``linspace`` into an integer dtype is PyTorch's integer kernel: start and end truncated to
-# integers, the step ``(end - start) / (steps - 1)`` in double, the first half counted up from the start and the
-# second down from the end, each truncated (torchlib's float formula was off by one in 9 of 50 elements).
-
-
-def arange_float(start: object, end: object, step: object = 1, *, dtype: torch.dtype | None = None,
-                 layout: object = None, device: object = None, pin_memory: object = None) -> object:
-    """A float ``arange`` of Python numbers with PyTorch's length (Note [Ranges as PyTorch counts them])."""
-    numbers = (start, end, step)
-    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+def scatter_with_reduce(self: torch.Tensor, dim: int, index: torch.Tensor, src: object, *, reduce: str) -> object:
+    """``scatter(..., reduce="add" | "multiply")`` (deprecated, a tensor's or a number's), which torchlib does not
+    translate (it ran in PyTorch), as ``scatter_add`` and ``scatter_reduce(..., "prod")``; a number is converted to
+    ``self``'s dtype first, as PyTorch's kernel does (``value.to<scalar_t>()``)."""
+    if reduce not in ("add", "multiply") or self.dtype == torch.bool:
         return NotImplemented
-    kind = dtype if dtype is not None else (torch.get_default_dtype() if any(isinstance(v, float) for v in numbers)
-                                            else torch.int64)
-    if not kind.is_floating_point or step == 0:
+    if not isinstance(src, torch.Tensor):
+        src = torch.scalar_tensor(src, dtype=self.dtype, device=self.device).expand(index.shape)
+    if reduce == "add":
+        return torch.scatter_add(self, dim, index, src)
+    return torch.scatter_reduce(self, dim, index, src, "prod", include_self=True)
+
+
+def index_add_shapes(self: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, *,
+                     alpha: object = 1) -> object:
+    """``index_add``'s last check, PyTorch's (``index_func_meta_impl``), which torch's decomposition leaves out: a
+    source whose shape but ``dim`` is not ``self``'s raised onnxruntime's error, or ran (``[3, 2]`` and ``[2, 2, 1]``,
+    or a 0-dim ``self`` and a ``[1]`` source); ``NotImplemented`` (the decomposition, whose checks come first in
+    PyTorch's order) otherwise."""
+    if index.dim() > 1 or index.dtype not in (torch.int64, torch.int32) or self.dtype != source.dtype:
         return NotImplemented
-    n = max(0, math.ceil((float(end) - float(start)) / float(step)))
-    counts = torch.arange(n, dtype=torch.int64, device=device).to(torch.float64)
-    return (counts * float(step) + float(start)).to(kind)
-
-
-def linspace_integer(start: object, end: object, steps: int, *, dtype: torch.dtype | None = None,
-                     layout: object = None, device: object = None, pin_memory: object = None) -> object:
-    """``linspace`` into an integer dtype as PyTorch's kernel computes it (Note [Ranges as PyTorch counts them])."""
-    if dtype is None or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool \
-            or not isinstance(steps, int) or steps < 2:
+    dim = dim % max(self.dim(), 1)
+    if not (dim == 0 or dim < source.dim()) or index.numel() != (1 if source.dim() == 0 else source.shape[dim]):
         return NotImplemented
+    self_sizes, source_sizes = list(self.shape), list(source.shape)
+    if self.dim() and source.dim():
+        del self_sizes[dim], source_sizes[dim]
+    if self_sizes != source_sizes:
+        raise RuntimeError("source tensor shape must match self tensor shape, excluding the specified dimension. "
+                           f"Got self.shape = {list(self.shape)} source.shape = {list(source.shape)}")
+    return NotImplemented
 
-    def whole(v: object) -> torch.Tensor:
-        t = v if isinstance(v, torch.Tensor) else torch.tensor(v, device=device)
-        return t.to(torch.float64).trunc().to(torch.int64).to(torch.float64)  # Scalar.to<int64_t>()
 
-    first, last = whole(start), whole(end)
-    step = (last - first) / (steps - 1)
-    idx = torch.arange(steps, dtype=torch.int64, device=device)
-    up = first + step * idx.to(torch.float64)
-    down = last - step * (steps - 1 - idx).to(torch.float64)
-    return torch.where(idx < steps // 2, up, down).trunc().to(dtype)
+# Note [Ranges as PyTorch counts them] and Note [Integer linspace as PyTorch's kernel]: ortlab.capture.ranges
 
 
 # Note [nll_loss's gradient zero where eager's kernel writes nothing]
@@ -785,9 +789,34 @@ def masked_scatter_of_a_bool_mask(self: torch.Tensor, mask: torch.Tensor, source
     """``masked_scatter`` raises eager's error for a mask that is not bool (its fake kernel and torch's decomposition
     take a uint8 mask as one, silently); ``NotImplemented`` (torch's decomposition) otherwise."""
     if mask.dtype != torch.bool:
-        raise RuntimeError("masked_scatter_ only supports boolean masks, but got mask with dtype "
-                           f"{_C10_NAMES.get(mask.dtype, str(mask.dtype))}")
+        raise pytorch_error(RuntimeError("masked_scatter_ only supports boolean masks, but got mask with dtype "
+                                         f"{_C10_NAMES.get(mask.dtype, str(mask.dtype))}"))
     return NotImplemented
+
+
+# Note [uint8 indices are masks]
+# PyTorch takes a uint8 index tensor as a bool mask (deprecated, with a warning), and ``index_put`` with one such
+# index and a one-element value on the CPU goes to ``masked_fill_``, which refuses a uint8 mask ("masked_fill_
+# only supports boolean masks, but got mask with dtype unsigned char"). torchlib's ``index_put`` takes a uint8
+# index for positions, which onnxruntime refused (ScatterND's and ScatterElements' indices are int64): the op ran
+# in PyTorch after a failed session, reported as onnxruntime having no kernel. Here a uint8 index is the bool mask
+# it stands for (torchlib's mask form, in onnxruntime), and the masked_fill case raises PyTorch's error at capture.
+
+
+def index_put_of_a_byte_mask(self: torch.Tensor, indices: list, values: torch.Tensor,
+                             accumulate: bool = False) -> object:
+    """``index_put`` with uint8 indices as bool masks (Note [uint8 indices are masks]); ``NotImplemented``
+    otherwise."""
+    if not any(i is not None and i.dtype == torch.uint8 for i in indices):
+        return NotImplemented
+    defined = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if not accumulate and values.numel() == 1 and values.device.type == "cpu" and len(defined) == 1:
+        d, mask = defined[0]  # PyTorch's canDispatchToMaskedFill: the mask's shape checked first, as there
+        if mask.device == self.device and tuple(mask.shape) == tuple(self.shape[d:d + mask.dim()]):
+            raise pytorch_error(RuntimeError("masked_fill_ only supports boolean masks, but got mask with dtype "
+                                             "unsigned char"))
+    masks = [i.bool() if i is not None and i.dtype == torch.uint8 else i for i in indices]
+    return aten.index_put.default(self, masks, values, accumulate)
 
 
 # Note [diagonal_scatter as a scatter into the flattened matrices]
@@ -932,7 +961,7 @@ def _fake_quantized(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | f
 def _check_quant_range(quant_min: int, quant_max: int) -> None:
     """PyTorch's check of a fake quantization's range, with its message."""
     if quant_min > quant_max:
-        raise RuntimeError("`quant_min` should be less than or equal to `quant_max`.")
+        raise pytorch_error(RuntimeError("`quant_min` should be less than or equal to `quant_max`."))
 
 
 def fake_quantize_cachemask(self: torch.Tensor, scale: float, zero_point: int, quant_min: int,
@@ -943,7 +972,7 @@ def fake_quantize_cachemask(self: torch.Tensor, scale: float, zero_point: int, q
         return NotImplemented
     _check_quant_range(quant_min, quant_max)
     if not quant_min <= zero_point <= quant_max:
-        raise RuntimeError("`zero_point` must be between `quant_min` and `quant_max`.")
+        raise pytorch_error(RuntimeError("`zero_point` must be between `quant_min` and `quant_max`."))
     return _fake_quantized(self, torch.full((), scale, dtype=torch.float32), float(zero_point), quant_min, quant_max)
 
 

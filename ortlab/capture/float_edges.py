@@ -25,7 +25,8 @@ import torch
 from ortlab._compat.torch import OpOverload
 
 __all__ = ["float_edge_decompositions", "even_splits_as_on_cpu", "hardtanh_backward", "hardswish_backward", "hardsigmoid_backward",
-           "elu_backward", "celu", "sign", "atan2", "trunc", "frac", "heaviside", "remainder", "div_mode", "clamp_min",
+           "elu_backward", "leaky_relu_backward", "prelu_kernel_backward", "celu", "sign", "atan2", "trunc", "frac",
+           "heaviside", "remainder", "div_mode", "clamp_min",
            "clamp_max", "clamp", "vector_norm_inf", "log_softmax_float64", "logaddexp", "logaddexp2", "logcumsumexp",
            "log1p", "expm1", "sigmoid", "silu", "softplus", "xlogy", "erfc", "erfcx", "log_ndtr", "pow_root",
            "var_float32_in_float64", "std_float32_in_float64", "avg_pool_divisor_override"]
@@ -136,6 +137,34 @@ def prelu_kernel(self: torch.Tensor, weight: torch.Tensor) -> object:
     if not _floating(self, weight):
         return NotImplemented
     return torch.where(self > 0, self, weight * self)
+
+
+# Note [A slope's gradient as a product]
+# ``leaky_relu``'s and ``prelu``'s input gradient is ``x > 0 ? g : g * slope`` (PyTorch's kernels; torch's
+# decompositions ``where(x > 0, g, g * slope)``). Both branches may be -0.0 (``g = -0.0``; ``g * slope`` for a
+# negative ``g`` and a zero slope), and a -0.0 from Where's first branch comes out +0.0 in onnxruntime (Note [A
+# -0.0 from Where's first branch] in ortlab.runtime.cpu_rewrites). ``g * (x > 0 ? 1 : slope)`` is the same
+# numbers, each one product rounded once (``g * 1`` is ``g``, -0.0 and NaN included), with the select between
+# constants, or the slope, where no -0.0 is lost.
+def leaky_relu_backward(grad_output: torch.Tensor, self: torch.Tensor, negative_slope: float,
+                        self_is_result: bool) -> object:
+    """``g * where(x > 0, 1, slope)`` (Note [A slope's gradient as a product])."""
+    if not _floating(grad_output, self) or grad_output.dtype != self.dtype or not isinstance(negative_slope,
+                                                                                             (int, float)):
+        return NotImplemented
+    factor = torch.where(self > 0, _const(1.0, grad_output), _const(negative_slope, grad_output))
+    return grad_output * factor
+
+
+def prelu_kernel_backward(grad_output: torch.Tensor, self: torch.Tensor, weight: torch.Tensor) -> object:
+    """``_prelu_kernel_backward``: the input's gradient ``g * where(x > 0, 1, weight)`` (Note [A slope's gradient as
+    a product]), the weight's torch's ``where(x > 0, 0, x * g)``."""
+    if not _floating(grad_output, self, weight) or len({grad_output.dtype, self.dtype, weight.dtype}) != 1:
+        return NotImplemented
+    positive = self > 0
+    input_grad = grad_output * torch.where(positive, _const(1.0, weight), weight)
+    weight_grad = torch.where(positive, _const(0.0, grad_output), self * grad_output)
+    return input_grad, weight_grad
 
 
 def celu(self: torch.Tensor, alpha: float = 1.0) -> object:
@@ -615,6 +644,8 @@ def float_edge_decompositions() -> dict[OpOverload, Callable]:
         aten.atan2.default: atan2,
         aten.elu.default: elu,
         aten._prelu_kernel.default: prelu_kernel,
+        aten._prelu_kernel_backward.default: prelu_kernel_backward,
+        aten.leaky_relu_backward.default: leaky_relu_backward,
         aten.angle.default: angle,
         aten.remainder.Tensor: remainder,
         aten.remainder.Scalar: remainder,

@@ -28,7 +28,8 @@ from ortlab.capture.padding import (EmbeddingSparsity, check_embedding_sparsity,
                                    find_embedding_sparsity, traced)
 from ortlab.capture.sparsity import LabelSparsity, find_label_sparsity
 from ortlab.config import DebugOptions, Options
-from ortlab.errors import CaptureError, DeviceError, FallbackError, ParityWarning, SessionError, first_line
+from ortlab.errors import (CaptureError, DeviceError, FallbackError, ParityWarning, SessionError, first_line,
+                           is_pytorch_error)
 from ortlab.partition.recompute import partition_joint
 from ortlab.pipeline.graph import compile_graph
 from ortlab.pipeline.part import GraphContext
@@ -361,12 +362,15 @@ class OrtlabBackend:
         except (FallbackError, DeviceError, *DYNAMO_CONTROL_FLOW):
             raise  # ours to report, or Dynamo's own control flow (it re-traces)
         except Exception as e:  # AOTAutograd/functionalization can fail on exotic code
-            reason = f"AOTAutograd could not capture graph {label(index)}: {first_line(e)}"
-            if self.options.fallback == "raise":
+            eager_raises = is_pytorch_error(e)  # Note [PyTorch's errors found at capture]
+            reason = (f"PyTorch raises for these inputs, and the graph runs there: {first_line(e)}" if eager_raises
+                      else f"AOTAutograd could not capture graph {label(index)}: {first_line(e)}")
+            if self.options.fallback == "raise" and not eager_raises:
                 raise CaptureError(reason + "\nUse fallback='warn' to run this graph in PyTorch.") from e
             fb = Fallback(scope="graph", where=label(index), reason=reason)
             capture.fallbacks.append(fb)
-            warn_fallback(fb)
+            if not eager_raises:
+                warn_fallback(fb)
             logger.debug("capture of %s failed", label(index), exc_info=e)
             if isinstance(cut, LabelSparsity):
                 capture.sparsity = dataclasses.replace(cut.record, applied=False, reason="the graph runs in PyTorch")

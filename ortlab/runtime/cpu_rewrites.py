@@ -13,6 +13,10 @@ the parity tolerance), and each is measured in ``benchmarks/results``:
 * Note [A max pool's plane offsets]: the offsets torchlib reads from a 1x1 ``MaxPool``'s indices, as constants.
 * Note [Input gradients as blocked convolutions]: a stride-1 convolution's input gradient on a large image.
 
+One more makes the CPU provider's values PyTorch's, at every optimization level:
+
+* Note [A -0.0 from Where's first branch]: a ``Where`` whose first branch may select a -0.0, swapped.
+
 They run on the graphs of the CPU provider's sessions: where OpenVINO is a candidate in the
 provider race, it is given the graph as exported (Note [The CPU provider races with its
 rewrites] in ``ortlab.pipeline.part``). OpenVINO runs ``Where`` and ``Conv`` well as they are,
@@ -34,8 +38,8 @@ import onnxruntime as ort
 from ortlab._compat.onnxscript import exact_rules
 from ortlab.errors import first_line
 
-__all__ = ["CpuRewrites", "blocked_convolutions", "checked_selects", "expanded_broadcasts", "found_in", "fused_gelus",
-           "input_gradients", "merged_slices", "nchwc_block_size", "pool_offsets", "rewrite_for_cpu"]
+__all__ = ["CpuRewrites", "blocked_convolutions", "checked_selects", "exact_selects", "expanded_broadcasts", "found_in",
+           "fused_gelus", "input_gradients", "merged_slices", "nchwc_block_size", "pool_offsets", "rewrite_for_cpu"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +59,7 @@ class CpuRewrites:
         gelus: GELUs now one onnxruntime kernel each (``Gelu``, ``FastGelu``).
         input_gradients: convolutions' input gradients (``Col2Im`` of a GEMM) now convolutions.
         broadcasts: elementwise ops whose per-channel operand is now expanded over the small planes.
+        exact: ``Where`` nodes with their branches swapped to keep a -0.0 (values, not speed: not in the notes).
     """
 
     selects: int = 0
@@ -64,9 +69,10 @@ class CpuRewrites:
     gelus: int = 0
     input_gradients: int = 0
     broadcasts: int = 0
+    exact: int = 0
 
     def any(self) -> bool:
-        return any(getattr(self, field) for field, _, _ in _REPORTED)
+        return bool(self.exact) or any(getattr(self, field) for field, _, _ in _REPORTED)
 
     def notes(self, where: str) -> list[str]:
         """The report's lines for the graph ``where``."""
@@ -125,8 +131,10 @@ def rewrite_for_cpu(model: ir.Model, level: str) -> CpuRewrites:
     """
     done = CpuRewrites()
     if level == "disable":
+        done.exact = exact_selects(model)  # values, not speed: at every level (Note [A -0.0 from Where's first branch])
         return done
     done.selects = checked_selects(model)
+    done.exact = exact_selects(model)  # after the checked selects: theirs are exact, their If's Where is swapped
     pool_offsets(model)  # a constant computed early, as onnxscript's folding does: not a decision to report
     done.slices = merged_slices(model)
     done.broadcasts = expanded_broadcasts(model)
@@ -175,7 +183,10 @@ def rewrite_for_cpu(model: ir.Model, level: str) -> CpuRewrites:
 #
 # With a condition smaller than the result (a causal mask [T, T] beside scores [B, H, T, T])
 # onnxruntime's Where copies spans and is fast enough that the If costs as much as it saves
-# (measured on the GPT's forward), so those stay. onnxruntime's ``BitCast`` (opset 26) would
+# (measured on the GPT's forward), so those stay. So do Wheres of two one-element operands
+# (``where(x > 0, 1, slope)``): onnxruntime selects those fast, 1.6 ms with the multiply by x on 1M
+# float32 elements (one thread) against 2.9 ms as a checked multiply, and 13 ms for ``where(c, x, x * s)``
+# (benchmarks/where_forms.py, results/epyc-avx2/where_forms.txt). onnxruntime's ``BitCast`` (opset 26) would
 # give an exact select of bitwise ops, but our graphs are opset 18, and its integer kernels
 # are no faster (0.38 ms on the same tensor).
 # Below this many elements a Where costs less than the nodes and the If that replace it
@@ -203,6 +214,14 @@ def _constant(value: ir.Value | None) -> np.ndarray | None:
             return None
         tensor = node.attributes["value"].as_tensor()
     return np.asarray(tensor.numpy())
+
+
+def _one_element(value: ir.Value) -> bool:
+    """Whether ``value`` has one element (by its shape, or as a constant)."""
+    if _numel(value) == 1:
+        return True
+    array = _constant(value)
+    return array is not None and array.size == 1
 
 
 def _scalar(value: ir.Value) -> float | None:
@@ -260,6 +279,8 @@ def checked_selects(model: ir.Model) -> int:
         numel = _numel(out)
         if numel is None or numel < MIN_SELECT_ELEMENTS or _numel(cond) != numel:
             continue
+        if _one_element(x) and _one_element(y):  # onnxruntime's scalar path is faster (Note [Where as a checked ...])
+            continue
         nodes: list[ir.Node] = []
         terms = []
         for operand, when in ((x, True), (y, False)):
@@ -307,6 +328,92 @@ def checked_selects(model: ir.Model) -> int:
         _replace(graph, where, nodes, choose.outputs[0])
         rewritten += 1
     return rewritten
+
+
+# Note [A -0.0 from Where's first branch]
+# onnxruntime's CPU ``Where`` selects from each branch into a temporary (the other branch's places +0.0)
+# and merges the two as ``x_sel != 0 ? x_sel : y_sel`` (where_op.cc): a -0.0 selected from its first
+# branch (X) equals 0, so the merge takes the second's +0.0 there; a -0.0 from Y stays. PyTorch's
+# ``where`` keeps both. A gradient masked by a select, ``where(mask, grad, 0)`` (``clamp``, ``hardtanh``,
+# ``relu6``, ``hardsigmoid``, ``nll_loss`` and ``cross_entropy``, the even split of ``max()``, ``min()``,
+# ``median()``), was +0.0 where the incoming gradient was -0.0 and eager's -0.0; so was a forward
+# ``torch.where(mask, x, 0)`` at ``x = -0.0``. A float Where whose second branch can hold no -0.0 (a
+# constant without one, or a cast, reshape or expand of one, or integers) and whose first can, has its
+# branches swapped and its condition negated: by ``Equal(c, false)``, not ``Not``, which onnxruntime's
+# NotWhereFusion folds back into the Where with the branches swapped again (a ``Not`` that makes the
+# condition is dropped instead). The negation is one pass over bools, within the noise of the Where
+# (benchmarks/where_forms.py: 5.97 against 5.86 ms on 1M elements, 0.27 against 0.28 ms on 64K, one
+# thread). Large Wheres with a full-size condition are checked multiplies, exact already (Note [Signed
+# zeros through a checked multiply]); the Where their If runs at a NaN or inf is swapped here too. A
+# Where of two tensors that may both hold -0.0 stays: the decompositions put the value that must keep
+# its sign second (Note [Where keeps -0.0 from its second branch only] in ortlab.capture.float_edges), or
+# select between constants and multiply (Note [A slope's gradient as a product], there too).
+_SIGN_KEEPING = ("Cast", "CastLike", "Expand", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity")
+
+
+def _no_negative_zero(value: ir.Value | None, depth: int = 0) -> bool:
+    """Whether ``value`` can hold no -0.0: not a float, a constant without one (or a ``ConstantOfShape`` of one),
+    or a cast, reshape or expand of such a value."""
+    if value is None:
+        return False
+    if value.dtype is not None and not value.dtype.is_floating_point():
+        return True
+    array = _constant(value)
+    if array is not None:
+        return not bool(np.any((array == 0) & np.signbit(array)))
+    node = value.producer()
+    if node is None or node.domain not in ("", "ai.onnx") or depth > 8:
+        return False
+    if node.op_type == "ConstantOfShape":
+        attribute = node.attributes.get("value")
+        if attribute is None:
+            return True  # +0.0
+        array = np.asarray(attribute.as_tensor().numpy())
+        return not bool(np.any((array == 0) & np.signbit(array)))
+    return node.op_type in _SIGN_KEEPING and bool(node.inputs) and _no_negative_zero(node.inputs[0], depth + 1)
+
+
+def _graphs(graph: ir.Graph) -> list[ir.Graph]:
+    """``graph`` and its nodes' subgraphs, at every depth."""
+    found = [graph]
+    for node in graph:
+        for sub in _subgraphs(node):
+            found.extend(_graphs(sub))
+    return found
+
+
+def exact_selects(model: ir.Model) -> int:
+    """Swap the branches of the float ``Where`` nodes (subgraphs' too) whose first branch may select a -0.0 and
+    whose second holds none (Note [A -0.0 from Where's first branch]); returns how many."""
+    swapped = 0
+    for graph in _graphs(model.graph):
+        for where in list(graph):
+            if where.op_type != "Where" or where.domain not in ("", "ai.onnx") or len(where.inputs) != 3:
+                continue
+            cond, x, y = where.inputs
+            out = where.outputs[0]
+            if cond is None or out.dtype is None or not out.dtype.is_floating_point():
+                continue
+            if _no_negative_zero(x) or not _no_negative_zero(y):
+                continue
+            producer = cond.producer()
+            if producer is not None and producer.op_type == "Not" and producer.domain in ("", "ai.onnx"):
+                negated = producer.inputs[0]
+            else:
+                false = ir.node("Constant", [], {"value": ir.tensor(np.array(False))})
+                equal = _node("Equal", [cond, false.outputs[0]], where)
+                base = out.name or f"where{swapped}"
+                false.outputs[0].name, equal.outputs[0].name = f"{base}_false", f"{base}_negated"
+                equal.outputs[0].dtype, equal.outputs[0].shape = ir.DataType.BOOL, cond.shape
+                graph.insert_before(where, [false, equal])
+                negated = equal.outputs[0]
+            where.replace_input_with(0, negated)
+            where.replace_input_with(1, y)
+            where.replace_input_with(2, x)
+            if producer is not None and producer.op_type == "Not" and not cond.uses() and not cond.is_graph_output():
+                producer.graph.remove(producer, safe=True)
+            swapped += 1
+    return swapped
 
 
 # Note [Convolutions in the blocked layout]

@@ -52,11 +52,13 @@ def is_single_index_accumulate(node: torch.fx.Node) -> bool:
 
 def index_put_accumulate(self, indices: Sequence, values, accumulate: bool = False):  # noqa: ANN001
     """Scatter-add ``values`` into ``self`` at ``indices[0]`` along dim 0; a plain ``index_put`` (no
-    ``accumulate``: ``x[idx] = v``) is torchlib's, which writes instead of adding."""
-    if not accumulate:
+    ``accumulate``: ``x[idx] = v``) is torchlib's, which writes instead of adding, and so is a bool mask's (its
+    positions are distinct: ScatterND's sum has no race; its ScatterElements took the mask for positions, which
+    onnxruntime refused)."""
+    if not accumulate or indices[0].dtype == ir.DataType.BOOL:
         from onnxscript.function_libs.torch_lib.ops.core import aten_index_put
 
-        return aten_index_put(self, indices, values, accumulate=False)
+        return aten_index_put(self, indices, values, accumulate=accumulate)
     (index,) = indices
     flat_index = op.Reshape(index, op.Constant(value_ints=[-1]))
     row = op.Shape(self, start=1)  # the trailing dims of one row of self
