@@ -742,8 +742,9 @@ def index_add_shapes(self: torch.Tensor, dim: int, index: torch.Tensor, source: 
     if self.dim() and source.dim():
         del self_sizes[dim], source_sizes[dim]
     if self_sizes != source_sizes:
-        raise RuntimeError("source tensor shape must match self tensor shape, excluding the specified dimension. "
-                           f"Got self.shape = {list(self.shape)} source.shape = {list(source.shape)}")
+        raise pytorch_error(RuntimeError(  # Note [PyTorch's errors found at capture]
+            "source tensor shape must match self tensor shape, excluding the specified dimension. "
+            f"Got self.shape = {list(self.shape)} source.shape = {list(source.shape)}"))
     return NotImplemented
 
 
