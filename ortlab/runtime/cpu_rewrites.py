@@ -247,7 +247,9 @@ def _replace(graph: ir.Graph, old: ir.Node, nodes: list[ir.Node], result: ir.Val
     # Names of their own, unique beside the graph's (a value the serializer names itself could repeat one in
     # an If's branch, which onnxruntime rejects: a graph must be in SSA form).
     count = 0
-    for node in nodes:
+    for index, node in enumerate(nodes):
+        if not node.name and old.name:  # named after ``old``: provenance.added_beside finds its provenance
+            node.name = f"{old.name}_cpu{index}"
         for inner in (node, *(n for g in _subgraphs(node) for n in g)):
             for value in inner.outputs:
                 if value is not result:
@@ -400,9 +402,12 @@ def exact_selects(model: ir.Model) -> int:
             if producer is not None and producer.op_type == "Not" and producer.domain in ("", "ai.onnx"):
                 negated = producer.inputs[0]
             else:
-                false = ir.node("Constant", [], {"value": ir.tensor(np.array(False))})
-                equal = _node("Equal", [cond, false.outputs[0]], where)
                 base = out.name or f"where{swapped}"
+                # Named after the Where, so the provenance restored by node name in onnxruntime's optimized
+                # models finds them (provenance.added_beside).
+                node_base = where.name or base
+                false = _node("Constant", [], where, name=f"{node_base}_false", value=ir.tensor(np.array(False)))
+                equal = _node("Equal", [cond, false.outputs[0]], where, name=f"{node_base}_negated")
                 false.outputs[0].name, equal.outputs[0].name = f"{base}_false", f"{base}_negated"
                 equal.outputs[0].dtype, equal.outputs[0].shape = ir.DataType.BOOL, cond.shape
                 graph.insert_before(where, [false, equal])
