@@ -231,3 +231,14 @@ def test_complex_numbers_run_their_op_in_pytorch_and_the_rest_in_onnxruntime():
         got, _, module = _run(fn, (z,))
         torch.testing.assert_close(got, _Fn(fn)(z))
         assert not module.report.fallbacks, module.report.fallbacks
+
+
+def test_dropout_s_backward_of_an_integer_gradient_keeps_eager_s_zeros():
+    """Eager masks first (an integer 0), then scales: +0.0 where ``grad * (mask * scale)`` gave -0.0."""
+    class Back(nn.Module):
+        def forward(self, g: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            return torch.ops.aten.native_dropout_backward(g, m, 2.0)
+
+    g, m = torch.tensor([-8, 6, -5, 0, 3]), torch.tensor([False, True, False, True, True])
+    got, expected = ortlab.ORTModule(Back())(g, m), Back()(g, m)
+    assert torch.equal(got, expected) and torch.equal(torch.signbit(got), torch.signbit(expected))

@@ -124,3 +124,20 @@ def test_a_norm_over_every_dim_kept_has_eager_s_shape_and_gradient(ord):
     assert results[1][0].shape == results[0][0].shape == (1, 1)
     torch.testing.assert_close(results[1][0], results[0][0])
     torch.testing.assert_close(results[1][1], results[0][1])
+
+
+@pytest.mark.parametrize("padding", [(-4, 5), (5, -4), (-1, 2), (-3, 1), (2, -3, -2, 4), (-6, 7, 0, 0)])
+def test_a_replicate_pad_that_crops_matches_eager_to_nothing_and_beyond(padding):
+    """A crop that leaves nothing, then a pad, reads the clamped edge (onnxruntime's Pad failed there)."""
+    class Pad(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(x, padding, mode="replicate") * torch.arange(1.0, 2.0)
+
+    results = []
+    for module in (Pad(), ortlab.ORTModule(Pad())):
+        x = torch.arange(32.0).reshape(2, 4, 4).requires_grad_()
+        out = module(x)
+        (out * torch.arange(out.numel()).reshape(out.shape)).sum().backward()
+        results.append((out.detach(), x.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)

@@ -136,6 +136,7 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
         table[aten.index_add.default] = _first_of(index_add_shapes, table[aten.index_add.default])
     table[aten.arange.start_step] = arange_float
     table[aten.nll_loss_backward.default] = nll_loss_backward_signed
+    table[aten.native_dropout_backward.default] = native_dropout_backward_in_order
     table[aten.nll_loss2d_backward.default] = nll_loss_backward_signed
     table[aten.masked_scatter.default] = masked_scatter_of_a_bool_mask
     table[aten.arange.start] = arange_float
@@ -149,6 +150,8 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     for op in (aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
                aten.replication_pad3d_backward.default):
         table[op] = replication_pad_backward
+    for op in (aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default):
+        table[op] = _first_of(replication_pad_with_crop, table[op]) if op in table else replication_pad_with_crop
     table[aten.fake_quantize_per_tensor_affine_cachemask.default] = fake_quantize_cachemask
     table[aten.fake_quantize_per_channel_affine_cachemask.default] = fake_quantize_per_channel_cachemask
     table[aten.mean.dim] = mean_of_nothing
@@ -750,6 +753,17 @@ def index_add_shapes(self: torch.Tensor, dim: int, index: torch.Tensor, source: 
 
 # Note [Ranges as PyTorch counts them] and Note [Integer linspace as PyTorch's kernel]: ortlab.capture.ranges
 
+# Note [Dropout's backward in eager's order]
+# PyTorch's kernel computes ``(grad * mask) * scale``; its decomposition (and torchlib) computes
+# ``grad * (mask * scale)``. For an integer gradient the two differ in the sign of a zero: eager's
+# ``-8 * 0`` is the integer 0, then +0.0 once scaled, where ``-8 * 0.0`` is -0.0.
+
+
+def native_dropout_backward_in_order(grad_output: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """``native_dropout_backward`` as PyTorch's kernel: the mask first, in the gradient's dtype, then the scale."""
+    masked = grad_output * mask.to(grad_output.dtype)
+    return masked * scale
+
 
 # Note [nll_loss's gradient zero where eager's kernel writes nothing]
 # PyTorch's CPU kernel fills the input's gradient with zeros and writes ``-weight * grad`` at each kept
@@ -996,14 +1010,28 @@ def fake_quantize_per_channel_cachemask(self: torch.Tensor, scale: torch.Tensor,
 # convolution (or ``F.pad(mode="replicate")``) cut its backward around the op in PyTorch. Each padded
 # element copies the input's edge element along one dim, so, one dim at a time from the last: the
 # gradient of the kept middle, with the sums of the left and right pads added to the first and last
-# element. Negative padding (a crop) keeps the op.
+# element. Negative padding (a crop): the transpose of its gather, an index_add per dim (Note [Replication
+# padding with a crop]).
 
 
 def replication_pad_backward(grad_output: torch.Tensor, self: torch.Tensor, padding: list[int]) -> object:
     """``replication_pad{1,2,3}d_backward`` as slices and edge sums (Note [Replication padding's backward as edge
-    sums]); ``NotImplemented`` (the op) for negative or symbolic padding and sizes."""
-    if any(not isinstance(p, int) or p < 0 for p in padding) or any(not isinstance(n, int) for n in self.shape):
+    sums]); ``NotImplemented`` (the op) for symbolic padding and sizes."""
+    if any(not isinstance(p, int) for p in padding) or any(not isinstance(n, int) for n in self.shape):
         return NotImplemented
+    if any(p < 0 for p in padding):  # a crop: the gather's transpose (Note [Replication padding with a crop])
+        if 0 in self.shape:
+            return NotImplemented
+        grad = grad_output
+        for k in range(len(padding) // 2):
+            d = self.dim() - 1 - k
+            left, right, n = padding[2 * k], padding[2 * k + 1], self.shape[d]
+            if left or right:
+                index = torch.clamp(torch.arange(n + left + right, device=grad.device) - left, 0, n - 1)
+                shape = list(grad.shape)
+                shape[d] = n
+                grad = grad.new_zeros(shape).index_add(d, index, grad)
+        return grad
     grad = grad_output
     for k in range(len(padding) // 2):
         d = self.dim() - 1 - k
@@ -1019,6 +1047,32 @@ def replication_pad_backward(grad_output: torch.Tensor, self: torch.Tensor, padd
                 middle = middle + torch.nn.functional.pad(total, [*later, at, n - 1 - at])
         grad = middle
     return grad
+
+
+# Note [Replication padding with a crop]
+# A negative pad crops. onnxruntime's edge Pad crops first and then replicates the cropped edge, as
+# PyTorch does, until the crop leaves nothing: then it fails ("Pad: invalid mode: 2 with zero effective
+# input extent"), where PyTorch's kernel reads every output element at its index clamped into the input
+# (``F.pad(x, (-4, 5), "replicate")`` of a width 4 is five copies of the last element). Any negative pad
+# is done as PyTorch's kernel does it: one gather per padded dim at ``clamp(arange(out) - left, 0, n - 1)``.
+
+
+def replication_pad_with_crop(self: torch.Tensor, padding: list[int]) -> object:
+    """``replication_pad{1,2,3}d`` with a negative pad, as PyTorch's kernel indexes (Note [Replication padding with
+    a crop]); ``NotImplemented`` (the op) for non-negative or symbolic padding, or an empty dim."""
+    if any(not isinstance(p, int) for p in padding) or all(p >= 0 for p in padding):
+        return NotImplemented
+    out = self
+    for k in range(len(padding) // 2):
+        d = self.dim() - 1 - k
+        left, right, n = padding[2 * k], padding[2 * k + 1], self.shape[d]
+        if not isinstance(n, int) or n == 0:
+            return NotImplemented  # PyTorch's own checks: keep the op
+        if left == 0 and right == 0:
+            continue
+        index = torch.clamp(torch.arange(n + left + right, device=self.device) - left, 0, n - 1)
+        out = torch.index_select(out, d, index)
+    return out
 
 
 # Note [Average pooling's backward as repeats and shifted sums]

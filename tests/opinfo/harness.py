@@ -447,6 +447,10 @@ def _differs(expected: Any, actual: Any, tols: Callable[[torch.dtype], tuple[flo
         if expected.shape != actual.shape:
             return f"{what}: shape {tuple(actual.shape)} where eager's is {tuple(expected.shape)}"
         e, a = expected.detach(), actual.detach()
+        if e.layout != a.layout:
+            return f"{what}: layout {a.layout} where eager's is {e.layout}"
+        if e.layout != torch.strided:  # sparse: the same layout, then the values where they stand
+            return _differs(e.to_dense(), a.to_dense(), tols, what)
         if e.is_complex():  # the real and imaginary parts, each as a float of the complex's precision
             return _differs(torch.view_as_real(e.resolve_conj()), torch.view_as_real(a.resolve_conj()), tols, what)
         if e.is_floating_point():
