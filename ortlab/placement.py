@@ -537,7 +537,12 @@ def culprits(
         return {}
     dtype = _value_dtype(bad)
     verb = "has no kernel for" if "NOT_IMPLEMENTED" in text else "rejects"
-    reason = f"onnxruntime {verb} ONNX {bad.op_type} on {dtype}"
+    if dtype is None:  # no dtype to name: onnxruntime's own words (what "on None" said nothing about)
+        status = re.search(r"Status Message: ([^\n]*)", text)
+        said = status.group(1) if status else first_line(error)
+        reason = f"onnxruntime {verb} ONNX {bad.op_type} ({bad.name}): {said[:200]}"
+    else:
+        reason = f"onnxruntime {verb} ONNX {bad.op_type} on {dtype}"
     for n in graph_nodes:
         fx = n.metadata_props.get("ortlab.fx_node")
         if n.op_type == bad.op_type and _value_dtype(n) == dtype and fx in nodes:

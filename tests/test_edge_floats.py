@@ -495,3 +495,24 @@ def test_prelu_keeps_negative_zero(dtype):
     module = _PRelu().to(dtype)
     _assert_same("prelu", ortlab.ORTModule(copy.deepcopy(module))(x).detach(), module(x).detach(), 0, 0,
                  signed_zeros=True)
+
+
+class _Softshrink(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softshrink(x, 0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_softshrink_s_band_is_positive_zero_as_pytorch_s_vector_path(dtype):
+    """64 elements: every one on PyTorch's vectorized path, which writes +0.0 in the band (torch's decomposition
+    wrote ``x * 0``: -0.0 for each negative input there); NaN stays NaN."""
+    x = torch.tensor([-0.3, -0.0, 0.0, 0.3, -0.5, 0.5, -0.7, 0.7], dtype=dtype).repeat(8)
+    x[13] = NAN
+    results = []
+    for module in (_Softshrink(), ortlab.ORTModule(_Softshrink())):
+        a = x.clone().requires_grad_()
+        out = module(a)
+        out.backward(torch.full_like(out, -1.25))
+        results.append((out.detach(), a.grad))
+    _assert_same("softshrink", results[1][0], results[0][0], 0, 0, signed_zeros=True)
+    _assert_same("softshrink's gradient", results[1][1], results[0][1], 0, 0, signed_zeros=True)

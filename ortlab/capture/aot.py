@@ -19,7 +19,12 @@ import torch.fx
 
 from ortlab._compat.torch import MULTILABEL_MARGIN_TARGETS, SDPA_TARGETS, aot_module_simplified
 from ortlab.capture.decompositions import decomposition_table, multilabel_margin_loss, sdpa_math
+from ortlab.capture.float_edges import softshrink_call
 from ortlab.errors import DeviceError
+
+# F.softshrink as Dynamo records it (Note [softshrink's zeros as PyTorch's vector path]).
+SOFTSHRINK_TARGETS = frozenset({torch.nn.functional.softshrink, torch._C._nn.softshrink,
+                                torch.ops.aten.softshrink.default, torch.ops.aten.softshrink})
 
 __all__ = ["rewrite_calls", "masked_write", "graph_device", "trace"]
 
@@ -103,7 +108,8 @@ def rewrite_calls(gm: torch.fx.GraphModule, device: torch.device | None = None,
     """Replace fused SDPA calls by their math form (see ``decompositions``; on CUDA not those with dropout and
     no mask, Note [Attention dropout on CUDA stays in PyTorch's kernel]; ``hints`` gets a line where masked
     ones with dropout take it), multilabel margin losses by
-    theirs (Note [Multilabel margin loss with its target slots masked]), and masked writes of one row by a
+    theirs (Note [Multilabel margin loss with its target slots masked]), softshrink by its vector path's form
+    (Note [softshrink's zeros as PyTorch's vector path]), and masked writes of one row by a
     ``where`` (Note [A masked write of one row is a where]); returns how many."""
     count = masked_dropouts = 0
     for node in gm.graph.nodes:
@@ -116,6 +122,9 @@ def rewrite_calls(gm: torch.fx.GraphModule, device: torch.device | None = None,
             count += 1
         elif node.op == "call_function" and node.target in MULTILABEL_MARGIN_TARGETS:
             node.target = multilabel_margin_loss
+            count += 1
+        elif node.op == "call_function" and node.target in SOFTSHRINK_TARGETS:
+            node.target = softshrink_call  # Note [softshrink's zeros as PyTorch's vector path]
             count += 1
         elif node.op == "call_function" and _one_row_masked_write(node):
             node.target = masked_write

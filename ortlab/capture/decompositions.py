@@ -335,7 +335,12 @@ def _batch_norm_one_mean(decomposition: Callable, functional: bool) -> Callable:
     def batch_norm(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                    running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
                    momentum: float, eps: float) -> object:
-        if not training or input.dtype not in (torch.float32, torch.float64):
+        if not training:  # eager saves no statistics in eval: empty ones, where torch's decomposition has [C]
+            out = decomposition(input, weight, bias, running_mean, running_var, training, momentum, eps)
+            if isinstance(out, (tuple, list)) and len(out) >= 3:
+                out = (out[0], out[1].new_empty((0,)), out[2].new_empty((0,)), *out[3:])
+            return out
+        if input.dtype not in (torch.float32, torch.float64):
             return decomposition(input, weight, bias, running_mean, running_var, training, momentum, eps)
         dims = [0, *range(2, input.dim())]
         per_channel = [1, input.shape[1]] + [1] * (input.dim() - 2)

@@ -139,6 +139,31 @@ def prelu_kernel(self: torch.Tensor, weight: torch.Tensor) -> object:
     return torch.where(self > 0, self, weight * self)
 
 
+# Note [softshrink's zeros as PyTorch's vector path]
+# PyTorch's softshrink kernel writes +0.0 inside the band [-lambd, lambd] in its vectorized loop (a blend of
+# masks) and ``x * 0`` in its scalar tail (a tensor's last elements past the last full vector), -0.0 for a
+# negative x; torch's decomposition is the tail's ``x * 0`` everywhere, so most of a large tensor's zeros had
+# the wrong sign. The band is ``|x| * 0`` here: +0.0, and NaN for a NaN, as the vector path; it carries no
+# gradient, so the input's gradient is ``where(|x| > lambd, g, 0)``: +0.0 in the band, as PyTorch's backward.
+# Tensors shorter than a vector (all tail) keep -0.0 in eager: a known difference, as for the activations'
+# gradients at NaN. torch's decomposition runs at the Autograd key, before any table sees softshrink, so the
+# call is rewritten in the Dynamo graph (ortlab.capture.aot.rewrite_calls), and the table has it for graphs
+# traced without autograd.
+def softshrink(self: torch.Tensor, lambd: float = 0.5) -> object:
+    """``where(|x| > lambd, x - sign(x) * lambd, |x| * 0)`` (Note [softshrink's zeros as PyTorch's vector path])."""
+    if not _floating(self) or not isinstance(lambd, (int, float)) or not 0 <= lambd <= torch.finfo(self.dtype).max:
+        return NotImplemented
+    band = (torch.abs(self) * 0).detach()
+    return torch.where(torch.abs(self) > lambd, self - torch.sign(self) * lambd, band)
+
+
+def softshrink_call(input: torch.Tensor, lambd: float = 0.5) -> torch.Tensor:
+    """What a captured ``F.softshrink`` call runs: :func:`softshrink`, or PyTorch's op where it does not apply
+    (its checks and errors)."""
+    out = softshrink(input, lambd)
+    return torch._C._nn.softshrink(input, lambd) if out is NotImplemented else out
+
+
 # Note [A slope's gradient as a product]
 # ``leaky_relu``'s and ``prelu``'s input gradient is ``x > 0 ? g : g * slope`` (PyTorch's kernels; torch's
 # decompositions ``where(x > 0, g, g * slope)``). Both branches may be -0.0 (``g = -0.0``; ``g * slope`` for a
@@ -633,6 +658,7 @@ def float_edge_decompositions() -> dict[OpOverload, Callable]:
         aten.hardsigmoid_backward.default: hardsigmoid_backward,
         aten.elu_backward.default: elu_backward,
         aten.celu.default: celu,
+        aten.softshrink.default: softshrink,
         aten.clamp_min.default: clamp_min,
         aten.clamp_max.default: clamp_max,
         aten.clamp.default: clamp,

@@ -204,6 +204,18 @@ def _pool_with_nan(torchlib_pool, spatial: int):  # noqa: ANN001, ANN202
     return pool
 
 
+def batch_norm_no_training(input, weight=None, bias=None, running_mean=None, running_var=None,  # noqa: ANN001, ANN201
+                           momentum: float = 0.9, eps: float = 1e-05):
+    """``_native_batch_norm_legit_no_training``: torchlib's normalization, and the empty saved mean and rstd eager
+    returns in eval (torchlib returned the running statistics, shape [C], where eager's are [0])."""
+    from onnxscript.function_libs.torch_lib.ops import core
+
+    norm, _, _ = core.aten__native_batch_norm_no_training(input, weight, bias, running_mean, running_var,
+                                                           momentum, eps)
+    empty = op.CastLike(op.ConstantOfShape(op.Constant(value_ints=[0])), input)
+    return norm, empty, op.Identity(empty)
+
+
 def assert_async(self, assert_msg: str = ""):  # noqa: ANN001, ANN201
     """``torch._assert_async(cond, msg)`` computes nothing in the graph: the exporter makes its condition a guard
     output that the runner checks after each run (Note [Value guards] in ``ortlab.onnx.guards``)."""
@@ -214,6 +226,8 @@ def register(registry: object) -> None:
     """Add ortlab's translations to a torchlib registry (its custom ones win)."""
     aten = torch.ops.aten
     registry.register_op(aten.scalar_tensor.default, scalar_tensor)  # type: ignore[attr-defined]
+    registry.register_op(aten._native_batch_norm_legit_no_training.default,  # type: ignore[attr-defined]
+                         batch_norm_no_training)
     for target in (aten._assert_async.msg, aten._assert_async.default):
         registry.register_op(target, assert_async)  # type: ignore[attr-defined]
     from ortlab.torchlib.integers import register as register_integers
