@@ -660,10 +660,18 @@ def copysign(self: torch.Tensor, other: torch.Tensor | float) -> torch.Tensor:
 
 def scatter_reduce_mean(self: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, reduce: str,
                         *, include_self: bool = True) -> object:
-    """``scatter_reduce`` with ``reduce="mean"`` (Note [scatter_reduce's mean as sums and counts]);
-    ``NotImplemented`` for the other reductions, which torchlib translates right."""
+    """``scatter_reduce`` with ``reduce="mean"`` (Note [scatter_reduce's mean as sums and counts]), and a bool one
+    in int32; ``NotImplemented`` for the other reductions, which torchlib translates right."""
+    if self.dtype == torch.bool and src.dtype == torch.bool and reduce in ("amax", "amin", "sum", "prod"):
+        # onnxruntime's CPU ScatterElements has no bool kernel with a reduction: as 0/1 in int32 (or, and)
+        out = torch.scatter_reduce(self.to(torch.int32), dim, index, src.to(torch.int32), reduce,
+                                   include_self=include_self)
+        return out != 0
     if reduce != "mean":
         return NotImplemented
+    if self.dtype == torch.bool:
+        raise pytorch_error(NotImplementedError(  # Note [PyTorch's errors found at capture]
+            "\"scatter_gather_tensor_cpu_reduce_mean\" not implemented for 'Bool'"))
     count = torch.zeros_like(self).scatter_add(dim, index, torch.ones_like(src))
     total = torch.zeros_like(self).scatter_add(dim, index, src)
     if include_self:
