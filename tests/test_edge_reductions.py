@@ -226,3 +226,43 @@ def test_index_add_of_a_source_of_another_shape_raises_as_in_eager(source):
     for module in (IndexAdd(), ortlab.ORTModule(IndexAdd())):
         with pytest.raises(RuntimeError, match=message):
             module(torch.randn(3, 2))
+
+
+class _MarginLoss(nn.Module):
+    def __init__(self, fn) -> None:  # noqa: ANN001
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return self.fn(x, t)
+
+
+MARGIN_LOSSES = {
+    "multi_margin p=1": lambda x, t: F.multi_margin_loss(x, t[:, 0], reduction="none"),
+    "multi_margin p=2, mean": lambda x, t: F.multi_margin_loss(x, t[:, 0], p=2, margin=0.5),
+    "multi_margin weighted, sum": lambda x, t: F.multi_margin_loss(x, t[:, 0], weight=torch.arange(1.0, 6.0),
+                                                                   reduction="sum"),
+    "multi_margin of a 0-dim input": lambda x, t: F.multi_margin_loss(x[0, 0], t[0, 0].clamp(max=0),
+                                                                      reduction="none"),
+    "multilabel_margin": lambda x, t: F.multilabel_margin_loss(x, t, reduction="none"),
+    "multilabel_margin, mean": lambda x, t: F.multilabel_margin_loss(x, t),
+}
+
+
+@pytest.mark.parametrize("name", list(MARGIN_LOSSES))
+def test_margin_losses_have_eager_s_shapes_and_gradient_zeros(name):
+    """PyTorch's kernels multiply the incoming gradient in last: a zero of the input's gradient has its sign
+    (-0.0 under a negative one), and a 0-dim input's loss is 0-dim."""
+    x = torch.tensor([[3.0, -1.0, 0.5, 0.25, 2.0], [0.0, 0.0, 0.0, 0.0, 0.0], [5.0, -5.0, 1.0, 0.5, 0.2]])
+    t = torch.tensor([[0, 2, -1, 1, 1], [1, -1, 0, 0, 0], [4, 0, 3, -1, 2]])
+    results = []
+    for module in (_MarginLoss(MARGIN_LOSSES[name]), ortlab.ORTModule(_MarginLoss(MARGIN_LOSSES[name]))):
+        a = x.clone().requires_grad_()
+        out = module(a, t)
+        out.backward(torch.full_like(out, -0.75))
+        results.append((out.detach(), a.grad))
+    (eo, eg), (oo, og) = results
+    assert oo.shape == eo.shape, (oo.shape, eo.shape)
+    torch.testing.assert_close(oo, eo)
+    torch.testing.assert_close(og, eg)
+    assert torch.equal(torch.signbit(og), torch.signbit(eg)), (og, eg)

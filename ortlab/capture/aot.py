@@ -18,10 +18,12 @@ import torch
 import torch.fx
 
 from ortlab._compat.torch import MULTILABEL_MARGIN_TARGETS, SDPA_TARGETS, aot_module_simplified
-from ortlab.capture.decompositions import decomposition_table, multilabel_margin_loss, sdpa_math
+from ortlab.capture.decompositions import (decomposition_table, multi_margin_loss, multi_margin_loss_c,
+                                           multilabel_margin_loss, sdpa_math)
 from ortlab.capture.float_edges import softshrink_call
 from ortlab.errors import DeviceError
 
+MULTI_MARGIN_TARGETS = frozenset({torch.nn.functional.multi_margin_loss, torch._C._nn.multi_margin_loss})
 # F.softshrink as Dynamo records it (Note [softshrink's zeros as PyTorch's vector path]).
 SOFTSHRINK_TARGETS = frozenset({torch.nn.functional.softshrink, torch._C._nn.softshrink,
                                 torch.ops.aten.softshrink.default, torch.ops.aten.softshrink})
@@ -122,6 +124,11 @@ def rewrite_calls(gm: torch.fx.GraphModule, device: torch.device | None = None,
             count += 1
         elif node.op == "call_function" and node.target in MULTILABEL_MARGIN_TARGETS:
             node.target = multilabel_margin_loss
+            count += 1
+        elif node.op == "call_function" and node.target in MULTI_MARGIN_TARGETS:
+            # Note [Margin losses' gradients as PyTorch's kernels]
+            node.target = multi_margin_loss if node.target is torch.nn.functional.multi_margin_loss \
+                else multi_margin_loss_c
             count += 1
         elif node.op == "call_function" and node.target in SOFTSHRINK_TARGETS:
             node.target = softshrink_call  # Note [softshrink's zeros as PyTorch's vector path]

@@ -574,26 +574,132 @@ def multilabel_margin_loss(input: torch.Tensor, target: torch.Tensor, size_avera
                            reduce: bool | None = None, reduction: str | int = "mean") -> torch.Tensor:
     """``F.multilabel_margin_loss`` as math (Note [Multilabel margin loss with its target slots masked]): for each
     sample, the hinge ``max(0, 1 - (x[j] - x[k])) / C`` summed over its targets j (the slots before the first -1)
-    and the classes k that are not targets."""
-    if size_average is not None or reduce is not None:
-        reduction = legacy_reduction(size_average, reduce)
-    if isinstance(reduction, int):  # torch._C._nn's form
-        reduction = ("none", "mean", "sum")[reduction]
+    and the classes k that are not targets; its gradient as PyTorch's kernel's (Note [Margin losses' gradients as
+    PyTorch's kernels])."""
+    name = _reduction_name(size_average, reduce, reduction)
     x, t = torch.atleast_2d(input), torch.atleast_2d(target)
+    per_sample = _MultilabelMargin.apply(x, t, name)
+    if name == "none":
+        return per_sample.reshape(input.shape[:-1])
+    return per_sample
+
+
+def _multilabel_terms(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hinges ``1 - x[j] + x[k]`` [N, slots, classes], where each counts (a target slot before the first -1
+    against a class that is no target), and the slots' targets (0 past the end)."""
     classes = x.shape[-1]
     slot = torch.arange(classes, device=x.device)
     end = torch.amin(torch.where(t == -1, slot, classes), dim=-1, keepdim=True)
     counted = slot < end  # [N, slots]: the target slots before the first -1
     targets = torch.where(counted, t, 0)
     is_target = (torch.where(counted, t, -1).unsqueeze(-1) == slot).any(dim=1)  # [N, classes]
-    hinge = (1.0 - torch.gather(x, -1, targets).unsqueeze(-1) + x.unsqueeze(1)).clamp_min(0) / classes
-    hinge = torch.where(counted.unsqueeze(-1) & ~is_target.unsqueeze(1), hinge, 0.0)  # [N, slots, classes]
-    per_sample = hinge.sum(dim=(1, 2))
-    if reduction == "mean":
-        return per_sample.mean()
-    if reduction == "sum":
-        return per_sample.sum()
-    return per_sample.reshape(input.shape[:-1])
+    hinge = 1.0 - torch.gather(x, -1, targets).unsqueeze(-1) + x.unsqueeze(1)  # [N, slots, classes]
+    return hinge, counted.unsqueeze(-1) & ~is_target.unsqueeze(1), targets
+
+
+class _MultilabelMargin(torch.autograd.Function):
+    """The per-sample (``none``) or reduced multilabel margin loss of [N, C] inputs, with PyTorch's kernel's
+    gradient: ``g`` for each active hinge at its class, ``-g`` at its target, times the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, t: torch.Tensor, reduction: str) -> torch.Tensor:  # noqa: ANN001
+        hinge, counts, _ = _multilabel_terms(x, t)
+        per_sample = torch.where(counts, hinge.clamp_min(0), 0.0).sum(dim=(1, 2)) / x.shape[-1]
+        ctx.save_for_backward(x, t)
+        ctx.reduction = reduction
+        if reduction == "mean":
+            return per_sample.mean()
+        return per_sample.sum() if reduction == "sum" else per_sample
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:  # noqa: ANN001
+        x, t = ctx.saved_tensors
+        frames, classes = x.shape
+        g = 1.0 / (frames * classes) if ctx.reduction == "mean" else 1.0 / classes
+        hinge, counts, targets = _multilabel_terms(x, t)
+        active = (counts & (hinge > 0)).to(x.dtype)  # [N, slots, classes]
+        up = active.sum(1) * g  # each class k: g per active hinge against it
+        down = torch.zeros_like(x).scatter_add(1, targets, active.sum(2) * g)  # each target: g per active hinge
+        local = up - down
+        go = grad_output.reshape(-1, 1) if ctx.reduction == "none" else grad_output
+        return local * go, None, None
+
+
+# Note [Margin losses' gradients as PyTorch's kernels]
+# PyTorch's ``multi_margin_loss_backward`` and ``multilabel_margin_loss_backward`` kernels build each
+# sample's gradient from the hinge terms (+0.0 where no hinge is active) and multiply it by the incoming
+# gradient last, so a zero of the input's gradient has the sign of the incoming gradient: -0.0 for a
+# negative one. Autograd through the losses' math (torch's decompositions run at the Autograd key, and
+# Note [Multilabel margin loss with its target slots masked]) selects +0.0 there instead, and torch's
+# ``multi_margin_loss`` of a 0-dim input with ``reduction="none"`` had shape [1] where eager's is [].
+# Both losses are an autograd Function here whose backward is the kernel's: the hinge terms, the target's
+# ``0 - sum``, then the product with the incoming gradient. AOTAutograd traces its forward and backward
+# like any other code.
+
+
+def _reduction_name(size_average: bool | None, reduce: bool | None, reduction: str | int) -> str:
+    if size_average is not None or reduce is not None:
+        return legacy_reduction(size_average, reduce)
+    return ("none", "mean", "sum")[reduction] if isinstance(reduction, int) else reduction
+
+
+class _MultiMargin(torch.autograd.Function):
+    """``multi_margin_loss`` with PyTorch's kernel's gradient (Note [Margin losses' gradients as PyTorch's
+    kernels]); the input is [N, C], the target [N]."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, target: torch.Tensor, p: int, margin: float,  # noqa: ANN001
+                weight: torch.Tensor | None, reduction: str) -> torch.Tensor:
+        classes = x.shape[1]
+        t = target.unsqueeze(1)
+        z = margin - torch.gather(x, 1, t) + x
+        active = (z > 0) & (torch.arange(classes, device=x.device) != t)
+        h = z if p == 1 else z * z
+        if weight is not None:
+            h = h * weight[t]
+        per_sample = torch.where(active, h, 0).sum(1) / classes
+        ctx.save_for_backward(x, target, weight)
+        ctx.p, ctx.margin, ctx.reduction = p, margin, reduction
+        if reduction == "mean":
+            return per_sample.mean()
+        return per_sample.sum() if reduction == "sum" else per_sample
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor) -> tuple:  # noqa: ANN001
+        x, target, weight = ctx.saved_tensors
+        frames, classes = x.shape
+        g = 1.0 / (frames * classes) if ctx.reduction == "mean" else 1.0 / classes
+        t = target.unsqueeze(1)
+        z = ctx.margin - torch.gather(x, 1, t) + x
+        others = torch.arange(classes, device=x.device) != t
+        h = torch.ones_like(z) * g if ctx.p == 1 else 2 * g * z  # (full_like holds g in float32)
+        if weight is not None:
+            h = h * weight[t]
+        local = torch.where((z > 0) & others, h, 0)
+        local = torch.where(others, local, 0 - local.sum(1, keepdim=True))
+        go = grad_output.reshape(-1, 1) if ctx.reduction == "none" else grad_output
+        return local * go, None, None, None, None, None
+
+
+def multi_margin_loss(input: torch.Tensor, target: torch.Tensor, p: int = 1, margin: float = 1.0,
+                      weight: torch.Tensor | None = None, size_average: bool | None = None,
+                      reduce: bool | None = None, reduction: str | int = "mean") -> torch.Tensor:
+    """``F.multi_margin_loss`` with eager's shapes and gradient (Note [Margin losses' gradients as PyTorch's
+    kernels]); PyTorch's own op for what it would reject."""
+    name = _reduction_name(size_average, reduce, reduction)
+    x, t = torch.atleast_2d(input), torch.atleast_1d(target)
+    if (p not in (1, 2) or x.dim() != 2 or x.shape[1] == 0 or t.dim() != 1 or t.shape[0] != x.shape[0]
+            or (weight is not None and (weight.dim() != 1 or weight.shape[0] != x.shape[1]))
+            or not x.is_floating_point() or name not in ("none", "mean", "sum")):
+        return torch.nn.functional.multi_margin_loss(input, target, p, margin, weight, reduction=name)
+    out = _MultiMargin.apply(x, t, p, margin, weight, name)
+    return out.reshape(target.shape) if name == "none" and input.dim() < 2 else out  # eager's: the target's
+
+
+def multi_margin_loss_c(input: torch.Tensor, target: torch.Tensor, p: int = 1, margin: float = 1.0,
+                        weight: torch.Tensor | None = None, reduction: int = 1) -> torch.Tensor:
+    """:func:`multi_margin_loss` in ``torch._C._nn.multi_margin_loss``'s signature (an int reduction)."""
+    return multi_margin_loss(input, target, p, margin, weight, reduction=reduction)
 
 
 # Note [mv as a matrix product]
