@@ -266,3 +266,22 @@ def test_margin_losses_have_eager_s_shapes_and_gradient_zeros(name):
     torch.testing.assert_close(oo, eo)
     torch.testing.assert_close(og, eg)
     assert torch.equal(torch.signbit(og), torch.signbit(eg)), (og, eg)
+
+
+class _Softmax(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(x, -1)
+
+
+def test_softmax_s_gradient_at_an_underflowed_probability_keeps_eager_s_zero():
+    """Eager's ``y * (g - sum(g * y))`` is -0.0 where y underflowed and g - s < 0; torch's decomposition
+    ``g * y - y * s`` gave +0.0."""
+    x = torch.tensor([[0.0, -200.0, 1.0, -300.0], [5.0, -1000.0, 5.0, 0.0]])
+    g = torch.tensor([[1.0, 0.5, 2.0, -1.0], [0.5, 0.25, 1.0, 4.0]])  # 0 < g < sum(g * y) where y is 0
+    results = []
+    for module in (_Softmax(), ortlab.ORTModule(_Softmax())):
+        a = x.clone().requires_grad_()
+        module(a).backward(g)
+        results.append(a.grad)
+    torch.testing.assert_close(results[1], results[0])
+    assert torch.equal(torch.signbit(results[1]), torch.signbit(results[0])), results

@@ -124,6 +124,8 @@ def decomposition_table(cache_dir: str | None = None) -> dict[OpOverload, Callab
     table[aten._weight_norm_interface_backward.default] = weight_norm_interface_backward
     table[aten._adaptive_avg_pool2d_backward.default] = adaptive_avg_pool2d_backward
     table[aten.copy.default] = copy_broadcast
+    table[aten._softmax_backward_data.default] = _first_of(softmax_backward_data,
+                                                           table[aten._softmax_backward_data.default])
     table[aten.mv.default] = mv_as_mm
     table[aten.addmv.default] = addmv_as_mm
     table[aten.scatter_reduce.two] = _of_a_scalar(scatter_reduce_mean, aten.scatter_reduce.two)
@@ -700,6 +702,24 @@ def multi_margin_loss_c(input: torch.Tensor, target: torch.Tensor, p: int = 1, m
                         weight: torch.Tensor | None = None, reduction: int = 1) -> torch.Tensor:
     """:func:`multi_margin_loss` in ``torch._C._nn.multi_margin_loss``'s signature (an int reduction)."""
     return multi_margin_loss(input, target, p, margin, weight, reduction=reduction)
+
+
+# Note [softmax's gradient in eager's form]
+# PyTorch's CPU kernel computes softmax's input gradient as ``y * (g - sum(g * y))``; torch's decomposition
+# as ``g * y - y * sum(g * y)``. Where ``y`` is 0 (an exp that underflowed, a masked position) the first is
+# ``0 * (g - s)``, a zero of the sign of ``g - s``, the second a difference of two zeros, mostly +0.0: the
+# gradient's zeros under a fully masked or far-out position took other signs than eager's. Eager's form here,
+# which also rounds as the kernel does.
+
+
+def softmax_backward_data(grad_output: torch.Tensor, output: torch.Tensor, dim: int,
+                          input_dtype: torch.dtype) -> object:
+    """``_softmax_backward_data`` in eager's form (Note [softmax's gradient in eager's form]); ``NotImplemented``
+    (torch's decomposition) for mixed or low-precision dtypes."""
+    if grad_output.dtype != output.dtype or output.dtype not in (torch.float32, torch.float64) \
+            or input_dtype != output.dtype:
+        return NotImplemented
+    return output * (grad_output - torch.sum(grad_output * output, dim=dim, keepdim=True))
 
 
 # Note [mv as a matrix product]
