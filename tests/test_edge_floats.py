@@ -516,3 +516,16 @@ def test_softshrink_s_band_is_positive_zero_as_pytorch_s_vector_path(dtype):
         results.append((out.detach(), a.grad))
     _assert_same("softshrink", results[1][0], results[0][0], 0, 0, signed_zeros=True)
     _assert_same("softshrink's gradient", results[1][1], results[0][1], 0, 0, signed_zeros=True)
+
+
+class _Entr(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.special.entr(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_entr_keeps_eager_s_negative_zero_at_one(dtype):
+    """``-1 * log(1)`` is -0.0, selected from a Where's first branch beside a Where of constants (0, -inf): the
+    branches are swapped so onnxruntime keeps it."""
+    x = torch.tensor([1.0, 0.0, -0.0, 0.5, -1.0, NAN, INF, 1.0], dtype=dtype)
+    _assert_same("entr", ortlab.ORTModule(_Entr())(x), _Entr()(x), 0, 0, signed_zeros=True)

@@ -340,7 +340,7 @@ def checked_selects(model: ir.Model) -> int:
 # ``relu6``, ``hardsigmoid``, ``nll_loss`` and ``cross_entropy``, the even split of ``max()``, ``min()``,
 # ``median()``), was +0.0 where the incoming gradient was -0.0 and eager's -0.0; so was a forward
 # ``torch.where(mask, x, 0)`` at ``x = -0.0``. A float Where whose second branch can hold no -0.0 (a
-# constant without one, or a cast, reshape or expand of one, or integers) and whose first can, has its
+# constant without one, or a cast, reshape or expand of one, a Where between such, or integers) and whose first can, has its
 # branches swapped and its condition negated: by ``Equal(c, false)``, not ``Not``, which onnxruntime's
 # NotWhereFusion folds back into the Where with the branches swapped again (a ``Not`` that makes the
 # condition is dropped instead). The negation is one pass over bools, within the noise of the Where
@@ -355,7 +355,7 @@ _SIGN_KEEPING = ("Cast", "CastLike", "Expand", "Reshape", "Unsqueeze", "Squeeze"
 
 def _no_negative_zero(value: ir.Value | None, depth: int = 0) -> bool:
     """Whether ``value`` can hold no -0.0: not a float, a constant without one (or a ``ConstantOfShape`` of one),
-    or a cast, reshape or expand of such a value."""
+    a cast, reshape or expand of such a value, or a Where between two of them."""
     if value is None:
         return False
     if value.dtype is not None and not value.dtype.is_floating_point():
@@ -372,6 +372,8 @@ def _no_negative_zero(value: ir.Value | None, depth: int = 0) -> bool:
             return True  # +0.0
         array = np.asarray(attribute.as_tensor().numpy())
         return not bool(np.any((array == 0) & np.signbit(array)))
+    if node.op_type == "Where" and len(node.inputs) == 3:  # a select between two values without -0.0
+        return _no_negative_zero(node.inputs[1], depth + 1) and _no_negative_zero(node.inputs[2], depth + 1)
     return node.op_type in _SIGN_KEEPING and bool(node.inputs) and _no_negative_zero(node.inputs[0], depth + 1)
 
 
