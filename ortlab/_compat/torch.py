@@ -54,7 +54,7 @@ __all__ = [
     "unset_fake_temporarily",
     "SDPA_TARGETS",
     "assert_on_device",
-    "MULTILABEL_MARGIN_TARGETS",
+    "MULTILABEL_MARGIN_TARGETS", "MULTI_MARGIN_TARGETS", "SOFTSHRINK_TARGETS",
     "legacy_reduction",
     "LINEAR_TARGETS",
     "GELU_TARGETS",
@@ -306,6 +306,11 @@ def assert_on_device(ok: torch.Tensor, message: str) -> None:
 SDPA_TARGETS = frozenset({torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention})
 # Note [Multilabel margin loss with its target slots masked] in ortlab.capture.decompositions
 MULTILABEL_MARGIN_TARGETS = frozenset({torch.nn.functional.multilabel_margin_loss, torch._C._nn.multilabel_margin_loss})
+# F.multi_margin_loss and F.softshrink as Dynamo records them (Note [Margin losses' gradients as PyTorch's kernels],
+# Note [softshrink's zeros as PyTorch's vector path]).
+MULTI_MARGIN_TARGETS = frozenset({torch.nn.functional.multi_margin_loss, torch._C._nn.multi_margin_loss})
+SOFTSHRINK_TARGETS = frozenset({torch.nn.functional.softshrink, torch._C._nn.softshrink,
+                                torch.ops.aten.softshrink.default, torch.ops.aten.softshrink})
 
 
 def legacy_reduction(size_average: bool | None, reduce: bool | None) -> str:

@@ -17,16 +17,13 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.fx
 
-from ortlab._compat.torch import MULTILABEL_MARGIN_TARGETS, SDPA_TARGETS, aot_module_simplified
+from ortlab._compat.torch import (MULTI_MARGIN_TARGETS, MULTILABEL_MARGIN_TARGETS, SDPA_TARGETS, SOFTSHRINK_TARGETS,
+                                  aot_module_simplified)
 from ortlab.capture.decompositions import (decomposition_table, multi_margin_loss, multi_margin_loss_c,
                                            multilabel_margin_loss, sdpa_math)
 from ortlab.capture.float_edges import softshrink_call
 from ortlab.errors import DeviceError
 
-MULTI_MARGIN_TARGETS = frozenset({torch.nn.functional.multi_margin_loss, torch._C._nn.multi_margin_loss})
-# F.softshrink as Dynamo records it (Note [softshrink's zeros as PyTorch's vector path]).
-SOFTSHRINK_TARGETS = frozenset({torch.nn.functional.softshrink, torch._C._nn.softshrink,
-                                torch.ops.aten.softshrink.default, torch.ops.aten.softshrink})
 
 __all__ = ["rewrite_calls", "masked_write", "graph_device", "trace"]
 

@@ -161,7 +161,7 @@ def softshrink_call(input: torch.Tensor, lambd: float = 0.5) -> torch.Tensor:
     """What a captured ``F.softshrink`` call runs: :func:`softshrink`, or PyTorch's op where it does not apply
     (its checks and errors)."""
     out = softshrink(input, lambd)
-    return torch._C._nn.softshrink(input, lambd) if out is NotImplemented else out
+    return torch.nn.functional.softshrink(input, lambd) if out is NotImplemented else out
 
 
 # Note [A slope's gradient as a product]
