@@ -465,16 +465,19 @@ class _Celu(nn.Module):
         return F.celu(x, alpha=0.8)
 
 
+def _output_and_gradient(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``module(x)`` and x's gradient under a -1.25 cotangent (a negative one: zeros of the gradient show its sign)."""
+    a = x.clone().requires_grad_()
+    out = module(a)
+    out.backward(torch.full_like(out, -1.25))
+    return out.detach(), a.grad
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_celu_keeps_positive_inputs_as_they_are(dtype):
     """celu is elu(x, alpha, 1, 1/alpha): torchlib's elu scaled the positive side by 1/alpha too (3 -> 3.75)."""
     x = torch.tensor([-100.0, -3.0, -0.5, -0.0, 0.0, 0.5, 3.0, 100.0, INF, -INF], dtype=dtype)
-    results = []
-    for module in (_Celu(), ortlab.ORTModule(_Celu())):
-        a = x.clone().requires_grad_()
-        out = module(a)
-        out.backward(torch.full_like(out, -1.25))
-        results.append((out.detach(), a.grad))
+    results = [_output_and_gradient(m, x) for m in (_Celu(), ortlab.ORTModule(_Celu()))]
     rtol, atol = _tolerances(dtype)
     _assert_same("celu", results[1][0], results[0][0], rtol, atol, signed_zeros=True)
     _assert_same("celu's gradient", results[1][1], results[0][1], rtol, atol, signed_zeros=True)
@@ -508,12 +511,7 @@ def test_softshrink_s_band_is_positive_zero_as_pytorch_s_vector_path(dtype):
     wrote ``x * 0``: -0.0 for each negative input there); NaN stays NaN."""
     x = torch.tensor([-0.3, -0.0, 0.0, 0.3, -0.5, 0.5, -0.7, 0.7], dtype=dtype).repeat(8)
     x[13] = NAN
-    results = []
-    for module in (_Softshrink(), ortlab.ORTModule(_Softshrink())):
-        a = x.clone().requires_grad_()
-        out = module(a)
-        out.backward(torch.full_like(out, -1.25))
-        results.append((out.detach(), a.grad))
+    results = [_output_and_gradient(m, x) for m in (_Softshrink(), ortlab.ORTModule(_Softshrink()))]
     _assert_same("softshrink", results[1][0], results[0][0], 0, 0, signed_zeros=True)
     _assert_same("softshrink's gradient", results[1][1], results[0][1], 0, 0, signed_zeros=True)
 
