@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -527,3 +528,24 @@ def test_entr_keeps_eager_s_negative_zero_at_one(dtype):
     branches are swapped so onnxruntime keeps it."""
     x = torch.tensor([1.0, 0.0, -0.0, 0.5, -1.0, NAN, INF, 1.0], dtype=dtype)
     _assert_same("entr", ortlab.ORTModule(_Entr())(x), _Entr()(x), 0, 0, signed_zeros=True)
+
+
+class _Trig(torch.nn.Module):
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.cos(x), torch.sin(x), torch.polar(r, x)]
+
+
+def test_float64_sine_and_cosine_keep_libm_s_values_near_their_zeros():
+    """onnxruntime's float64 Cos(pi/2) is 0.0 (libm: 6.1e-17): they run in PyTorch, with the reason."""
+
+    x = torch.tensor([math.pi / 2, -math.pi / 2, math.pi, -7.853970918853729], dtype=torch.float64)
+    r = torch.tensor([0.0, 0.0, 1.0, 2.0], dtype=torch.float64)
+    om = ortlab.ORTModule(_Trig())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = om(x, r)
+    for g, e in zip(got, _Trig()(x, r)):
+        assert torch.equal(torch.view_as_real(g) if g.is_complex() else g,
+                           torch.view_as_real(e) if e.is_complex() else e), (g, e)
+    reasons = " ".join(f.reason for f in om.report.fallbacks)
+    assert "float64 Sin and Cos" in reasons, reasons

@@ -285,3 +285,68 @@ def test_softmax_s_gradient_at_an_underflowed_probability_keeps_eager_s_zero():
         results.append(a.grad)
     torch.testing.assert_close(results[1], results[0])
     assert torch.equal(torch.signbit(results[1]), torch.signbit(results[0])), results
+
+
+SUMS = {
+    "sum(1)": lambda x: x.sum(1),
+    "sum()": lambda x: x.sum(),
+    "mean(1)": lambda x: x.mean(1),
+    "mean()": lambda x: x.mean(),
+    "sum(1, keepdim)": lambda x: x.sum(1, keepdim=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", list(SUMS))
+def test_a_sum_of_negative_zeros_is_positive_zero(name, dtype):
+    """PyTorch's sum starts from +0.0; onnxruntime's ReduceSum over inner axes from the first term (-0.0)."""
+    x = torch.full((5, 2), -0.0, dtype=dtype)
+    got, expected = ortlab.ORTModule(_Op(SUMS[name]))(x), SUMS[name](x)
+    assert torch.equal(_bits(got), _bits(expected)), (got, expected)
+
+
+class _Ranking(nn.Module):
+    def forward(self, a: torch.Tensor, b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.margin_ranking_loss(a, b, t, reduction="none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_broadcast_input_s_gradient_of_masked_terms_is_eager_s_zero(dtype):
+    """The gradient of a broadcast input sums (sum_to_size) terms a hinge masked, -0.0 each: eager's +0.0."""
+    a = torch.tensor([[-4.8, -7.6], [-0.6, -1.5], [-2.0, -4.1]], dtype=dtype)
+    b = torch.tensor([[5.6], [-8.3], [4.2]], dtype=dtype)
+    t = torch.tensor([[-3.1, -3.3]], dtype=dtype)
+    grads = []
+    for module in (_Ranking(), ortlab.ORTModule(_Ranking())):
+        leaves = [v.clone().requires_grad_() for v in (a, b, t)]
+        module(*leaves).backward(torch.tensor([[1.0, -0.5], [0.25, 2.0], [-1.0, 1.5]], dtype=dtype))
+        grads.append(leaves[1].grad)
+    assert torch.equal(_bits(grads[1]), _bits(grads[0])), grads
+
+
+PRODS = {
+    "prod(), two zeros": (lambda x: x.prod(), [2.0, 3.0, 0.0, 0.0]),
+    "prod(), one zero": (lambda x: x.prod(), [2.0, -3.0, 0.0, 0.5]),
+    "prod(), no zero, underflow": (lambda x: x.prod(), [1e-30, -1e-30, 1e-30, 4.0]),
+    "prod(0), a zero": (lambda x: torch.prod(x.reshape(2, 2), 0), [2.0, -3.0, 0.0, 0.5]),
+    "prod(1, keepdim), no zero": (lambda x: x.reshape(2, 2).prod(1, keepdim=True), [2.0, -3.0, 1e-30, -1e-30]),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", list(PRODS))
+def test_prod_s_gradient_takes_eager_s_formula(name, dtype):
+    """Eager's prod backward picks its formula by the data (Note [prod's gradient as eager's])."""
+    fn, values = PRODS[name]
+    x = torch.tensor(values, dtype=dtype)
+    (out_e, grad_e), (out_o, grad_o) = _grads(fn, x, lambda out: torch.full_like(out, -1.5))
+    assert torch.equal(_bits(out_o), _bits(out_e))
+    torch.testing.assert_close(grad_o, grad_e, equal_nan=True)
+    assert torch.equal(torch.signbit(grad_o), torch.signbit(grad_e)), (grad_o, grad_e)
+
+
+def test_prod_over_the_dim_of_a_0_dim_tensor_runs_in_onnxruntime():
+    om = ortlab.ORTModule(_Op(lambda x: torch.prod(x, 0) * 2))
+    x = torch.tensor(-3.0, requires_grad=True)
+    om(x).backward()
+    assert x.grad.item() == 2.0 and not om.report.fallbacks, om.report

@@ -127,6 +127,24 @@ def test_the_saved_onnxruntime_stages_carry_the_provenance_onnxruntime_drops(gpt
         assert not missing, (path.name, missing)
 
 
+def _without_plus_zero(model: ir.Model) -> ir.Model:
+    """The model without its sums' ``+ 0.0`` (Note [A sum of negative zeros is +0.0]), which onnxscript's inexact
+    ``x + 0 -> x`` rule drops and ortlab's rules keep: the graphs compared are otherwise the same."""
+    import numpy as np
+
+    for node in list(model.graph):
+        if node.op_type != "Add" or len(node.inputs) != 2:
+            continue
+        zero = node.inputs[1].producer() if node.inputs[1] is not None else None
+        value = zero.attributes.get("value") if zero is not None and zero.op_type == "Constant" else None
+        array = np.asarray(value.as_tensor().numpy()) if value is not None else None
+        if array is None or array.size != 1 or array.item() != 0 or np.signbit(array).any():
+            continue
+        node.outputs[0].replace_all_uses_with(node.inputs[0], replace_graph_outputs=True)
+        model.graph.remove(node, safe=True)
+    return model
+
+
 def test_running_only_the_rules_that_can_fire_leaves_the_graph_of_optimize_ir(gpt_stages):
     """Note [Only the rewrite rules that can fire] and Note [Shape inference only where a shape is missing]:
     the same graph, node for node, as onnxscript's own
@@ -139,7 +157,7 @@ def test_running_only_the_rules_that_can_fire_leaves_the_graph_of_optimize_ir(gp
     assert len(paths) == 2, paths
 
     for path in paths:
-        theirs, ours = ir.load(path), ir.load(path)
+        theirs, ours = _without_plus_zero(ir.load(path)), _without_plus_zero(ir.load(path))
         onnxscript.optimizer.optimize_ir(theirs)
         optimize(ours)
         assert _nodes(ours) == _nodes(theirs), path.name

@@ -19,7 +19,7 @@ import torch.fx
 
 from ortlab._compat.torch import (MULTI_MARGIN_TARGETS, MULTILABEL_MARGIN_TARGETS, SDPA_TARGETS, SOFTSHRINK_TARGETS,
                                   aot_module_simplified)
-from ortlab.capture.decompositions import (decomposition_table, multi_margin_loss, multi_margin_loss_c,
+from ortlab.capture.decompositions import (decomposition_table, multi_margin_loss, multi_margin_loss_c, prod_call,
                                            multilabel_margin_loss, sdpa_math)
 from ortlab.capture.float_edges import softshrink_call
 from ortlab.errors import DeviceError
@@ -108,7 +108,8 @@ def rewrite_calls(gm: torch.fx.GraphModule, device: torch.device | None = None,
     no mask, Note [Attention dropout on CUDA stays in PyTorch's kernel]; ``hints`` gets a line where masked
     ones with dropout take it), multilabel margin losses by
     theirs (Note [Multilabel margin loss with its target slots masked]), softshrink by its vector path's form
-    (Note [softshrink's zeros as PyTorch's vector path]), and masked writes of one row by a
+    (Note [softshrink's zeros as PyTorch's vector path]), prod by its eager gradient's (Note [prod's gradient
+    as eager's]), and masked writes of one row by a
     ``where`` (Note [A masked write of one row is a where]); returns how many."""
     count = masked_dropouts = 0
     for node in gm.graph.nodes:
@@ -126,6 +127,10 @@ def rewrite_calls(gm: torch.fx.GraphModule, device: torch.device | None = None,
             # Note [Margin losses' gradients as PyTorch's kernels]
             node.target = multi_margin_loss if node.target is torch.nn.functional.multi_margin_loss \
                 else multi_margin_loss_c
+            count += 1
+        elif (node.op == "call_function" and node.target is torch.prod) or \
+                (node.op == "call_method" and node.target == "prod"):
+            node.op, node.target = "call_function", prod_call  # Note [prod's gradient as eager's]
             count += 1
         elif node.op == "call_function" and node.target in SOFTSHRINK_TARGETS:
             node.target = softshrink_call  # Note [softshrink's zeros as PyTorch's vector path]

@@ -704,6 +704,75 @@ def multi_margin_loss_c(input: torch.Tensor, target: torch.Tensor, p: int = 1, m
     return multi_margin_loss(input, target, p, margin, weight, reduction=reduction)
 
 
+# Note [prod's gradient as eager's]
+# PyTorch's ``prod_backward`` chooses its formula by the data: with no zero in the input, ``g * (result / x)``;
+# a full product with two or more zeros, zeros (+0.0); otherwise the zero-safe one, ``g`` times the products
+# of the elements before and after each (``prod_safe_zeros_backward``); over one dim, the plain formula unless
+# the tensor holds any zero. A traced graph (FakeTensors, torch.compile too) always takes the zero-safe one:
+# equal values where nothing overflows, but zeros of other signs ([2, 3, 0, 0]: eager +0.0 everywhere, the
+# traced graph ``g * 0``, -0.0 under a negative ``g``) and where ``result`` overflows or underflows other values.
+# ``prod`` of a floating tensor that needs a gradient is an autograd Function here whose backward computes
+# every formula and selects eager's by the data (the backward's graph runs all of them).
+
+
+def _prod_safe_zeros_backward(grad: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """PyTorch's ``prod_safe_zeros_backward``: ``grad`` times the products before and after each element."""
+    n = x.shape[dim]
+    if n == 1:
+        return grad.expand_as(x)
+    ones = torch.ones_like(x.narrow(dim, 0, 1))
+    before = torch.cat([ones, x.narrow(dim, 0, n - 1)], dim).cumprod(dim)
+    after = torch.cat([ones, x.narrow(dim, 1, n - 1).flip(dim)], dim).cumprod(dim).flip(dim)
+    return grad * (before * after)
+
+
+class _Prod(torch.autograd.Function):
+    """``prod`` (all elements, or over ``dim``) with eager's data-dependent gradient (Note [prod's gradient as
+    eager's])."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int | None, keepdim: bool,  # noqa: ANN001
+                dtype: torch.dtype | None) -> torch.Tensor:
+        out = torch.prod(x, dtype=dtype) if dim is None else torch.prod(x, dim, keepdim, dtype=dtype)
+        ctx.save_for_backward(x, out)
+        ctx.dim, ctx.keepdim = dim, keepdim
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:  # noqa: ANN001
+        x, result = ctx.saved_tensors
+        inp = x.to(grad.dtype)
+        if inp.dim() == 0:
+            return grad.to(x.dtype), None, None, None
+        # The formula is chosen by indexing a stack of them, a Gather: a where would lose a -0.0 from its first
+        # branch on onnxruntime's CPU provider (Note [A -0.0 from Where's first branch] in ortlab.runtime.cpu_rewrites).
+        if ctx.dim is None:
+            zeros = (inp == 0).sum()
+            plain = grad * (result / inp)
+            safe = _prod_safe_zeros_backward(grad, inp.reshape(-1), 0).view_as(inp)
+            which = (zeros > 0).long() + (zeros > 1).long()  # no zero, one, more
+            out = torch.stack([plain, safe, torch.zeros_like(inp)]).index_select(0, which.reshape(1))[0]
+        else:
+            dim = ctx.dim % inp.dim()
+            g, r = (grad, result) if ctx.keepdim else (grad.unsqueeze(dim), result.unsqueeze(dim))
+            plain, safe = (g * (r / inp)).expand_as(inp), _prod_safe_zeros_backward(g, inp, dim)
+            out = torch.stack([plain, safe]).index_select(0, (inp == 0).any().long().reshape(1))[0]
+        return out.to(x.dtype), None, None, None
+
+
+def prod_call(input: torch.Tensor, dim: int | None = None, keepdim: bool = False, *,  # noqa: A002
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.prod``/``Tensor.prod`` with eager's gradient (Note [prod's gradient as eager's]); PyTorch's own op
+    where no gradient is wanted, for other dtypes and for empty tensors."""
+    if (not isinstance(input, torch.Tensor) or not input.requires_grad or not input.is_floating_point()
+            or input.numel() == 0 or not isinstance(dim, (int, type(None))) or isinstance(dim, bool)
+            or (dtype is not None and not dtype.is_floating_point)):
+        if dim is None:
+            return torch.prod(input, dtype=dtype)
+        return torch.prod(input, dim, keepdim, dtype=dtype)
+    return _Prod.apply(input, dim, keepdim, dtype)
+
+
 # Note [softmax's gradient in eager's form]
 # PyTorch's CPU kernel computes softmax's input gradient as ``y * (g - sum(g * y))``; torch's decomposition
 # as ``g * y - y * sum(g * y)``. Where ``y`` is 0 (an exp that underflowed, a masked position) the first is

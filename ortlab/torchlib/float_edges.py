@@ -16,6 +16,17 @@ for a LayerNormalization of [8, 128, 256] on 2 threads, well under 0.1% of the G
 float64 norms are traced through torch's decompositions and are exact. (``nn.BatchNorm``'s CPU kernel
 in training gives zeros for such a channel itself, as ortlab's decomposition does; ``var`` and ``std``
 are Note [float32 variances in float64] in ``ortlab.capture.float_edges``.)
+
+Note [A sum of negative zeros is +0.0]
+PyTorch's sum and mean start from +0.0, so a sum whose terms are all -0.0 is +0.0; onnxruntime's
+ReduceSum and ReduceMean start from the first term where the reduced axes are innermost, and give -0.0
+there (``full((5, 2), -0.0).sum(1)``; over an outer axis +0.0). Such sums are what broadcasting's
+gradients reduce to (``sum_to_size``): a margin_ranking_loss gradient, a ``%`` by a broadcast tensor,
+whose masked terms are -0.0, came back -0.0 where eager's is +0.0. A float ``sum`` or ``mean`` adds
++0.0 to its result (-0.0 + 0.0 is +0.0; every other value is unchanged, NaN and inf included); one
+Add over the reduced output. ortlab's no-op rules keep ``x + 0.0`` (Note [Adding zero keeps the sign
+of zero] in ``ortlab._compat.onnxscript``) and onnxruntime's NoopElimination stays off
+(``ortlab.runtime.fusions``).
 """
 
 from __future__ import annotations
@@ -23,7 +34,16 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
-__all__ = ["native_layer_norm", "native_group_norm", "register"]
+__all__ = ["native_layer_norm", "native_group_norm", "plus_zero", "register"]
+
+
+def plus_zero(x, self, dtype: int | None = None):  # noqa: ANN001, ANN201
+    """``x + 0.0`` where ``x``, a reduction of ``self`` (to ``dtype`` when given), is real floating point
+    (Note [A sum of negative zeros is +0.0]); other values as they are."""
+    to = ir.DataType(dtype) if dtype is not None and dtype != -1 else getattr(self, "dtype", None)
+    if to is None or not to.is_floating_point():
+        return x
+    return op.Add(x, op.Constant(value=ir.tensor(0.0, dtype=to)))
 
 
 def _func(torchlib_op: object) -> object:
@@ -65,3 +85,13 @@ def register(registry: object) -> None:
     aten = torch.ops.aten
     registry.register_op(aten.native_layer_norm.default, native_layer_norm)  # type: ignore[attr-defined]
     registry.register_op(aten.native_group_norm.default, native_group_norm)  # type: ignore[attr-defined]
+    from onnxscript.function_libs.torch_lib.ops import core
+
+    def mean(self, dtype: int | None = None):  # noqa: ANN001, ANN202
+        return plus_zero(core.aten_mean(self, dtype=-1 if dtype is None else dtype), self, dtype)
+
+    def mean_dim(self, dim=None, keepdim: bool = False, dtype: int | None = None):  # noqa: ANN001, ANN202
+        return plus_zero(core.aten_mean_dim(self, dim, keepdim, dtype=-1 if dtype is None else dtype), self, dtype)
+
+    registry.register_op(aten.mean.default, mean)  # type: ignore[attr-defined]
+    registry.register_op(aten.mean.dim, mean_dim)  # type: ignore[attr-defined]

@@ -224,17 +224,20 @@ def _result_dtype(self, dtype: int | None) -> ir.DataType | None:  # noqa: ANN00
     return _INT64 if self.dtype.is_integer() or self.dtype == ir.DataType.BOOL else None
 
 
-def _reduction(integer_fn, torchlib_all, torchlib_dim):  # noqa: ANN001, ANN202
+def _reduction(integer_fn, torchlib_all, torchlib_dim, float_fn=None):  # noqa: ANN001, ANN202
+    """A reduction's translations: ``integer_fn`` for integer results, torchlib's (then ``float_fn``) for the rest."""
+    finish = float_fn or (lambda x, self, dtype: x)
+
     def reduce_all(self, dtype: int | None = None):  # noqa: ANN001, ANN202
         out = _result_dtype(self, dtype)
         if out is None:
-            return torchlib_all(self, dtype=-1 if dtype is None else dtype)
+            return finish(torchlib_all(self, dtype=-1 if dtype is None else dtype), self, dtype)
         return integer_fn(self, None, False, out)
 
     def reduce_dim(self, dim=None, keepdim: bool = False, dtype: int | None = None):  # noqa: ANN001, ANN202
         out = _result_dtype(self, dtype)
         if out is None:
-            return torchlib_dim(self, dim, keepdim, dtype=-1 if dtype is None else dtype)
+            return finish(torchlib_dim(self, dim, keepdim, dtype=-1 if dtype is None else dtype), self, dtype)
         return integer_fn(self, dim, keepdim, out)
 
     return reduce_all, reduce_dim
@@ -349,10 +352,14 @@ def register(registry: object) -> None:
         aten.addbmm.default: _addbmm(core.aten_addbmm),
         aten.isnan.default: _isnan(core.aten_isnan),
     }
-    sum_all, sum_dim = _reduction(_integer_sum, core.aten_sum, core.aten_sum_dim_IntList)
+    from ortlab.torchlib.float_edges import plus_zero
+
+    sum_all, sum_dim = _reduction(_integer_sum, core.aten_sum, core.aten_sum_dim_IntList, plus_zero)
     translations[aten.sum.default], translations[aten.sum.dim_IntList] = sum_all, sum_dim
 
     def torchlib_prod_dim(self, dim, keepdim: bool = False, dtype: int = -1):  # noqa: ANN001, ANN202
+        if self.shape is not None and len(self.shape) == 0:  # onnxruntime rejects ReduceProd of a 0-d tensor
+            return op.Identity(self) if dtype in (-1, None) else op.Cast(self, to=dtype)
         return core.aten_prod_dim_int(self, dim, keepdim, dtype=dtype)
 
     prod_all, prod_dim = _reduction(_integer_prod, core.aten_prod, torchlib_prod_dim)
