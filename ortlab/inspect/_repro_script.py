@@ -308,7 +308,7 @@ def _whole_step(here: str, bundle: dict[str, Any], rtol: float, atol: float) -> 
     # The opt-in: model.pt is a pickle (the model, its inputs and options), see Note [What a bundle may run].
     saved = torch.load(os.path.join(here, "model.pt"), weights_only=False)
     result = ortlab.compare(saved["model"], *saved["inputs"], forward_kwargs=saved["kwargs"], rtol=rtol, atol=atol,
-                            **saved["options"])
+                            options=saved["options"])
     print(result)
     return 0 if result.ok else 1
 

@@ -27,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from ortlab.errors import FallbackWarning, OrtlabError
+from ortlab.inspect._keywords import split_keywords
 from ortlab.inspect._tables import bisect_html
 from ortlab.inspect.compare import ATOL, RTOL, CompareResult, compare
 from ortlab.inspect.reduce import Trial, minimize
@@ -100,7 +101,8 @@ def bisect_fallbacks(
     repro_dir: str | None = None,
     max_trials: int = 64,
     seed: int = 0,
-    **options: Any,
+    options: dict[str, Any] | None = None,
+    **keywords: Any,
 ) -> BisectResult:
     """The smallest set of ops whose fallback to PyTorch makes one step match eager PyTorch.
 
@@ -111,8 +113,8 @@ def bisect_fallbacks(
     default) for the first diverging node of the ops found (else the first divergence).
 
     Args:
-        model, *inputs, forward_kwargs, loss_fn, rtol, atol, seed, **options: as for
-            ``compare``; ``options["fallback_ops"]`` stay in PyTorch in every trial.
+        model, *inputs, forward_kwargs, loss_fn, rtol, atol, seed, options, **keywords: as for
+            ``compare`` (keyword inputs and options by name); ``fallback_ops`` stay in PyTorch in every trial.
         candidates: op names to search (``aten.gelu``); default as above.
         repro_dir: folder of the repro; created if missing.
         max_trials: stop with an error after this many trials (each captures the model).
@@ -122,12 +124,14 @@ def bisect_fallbacks(
         >>> print(found)                                  # doctest: +SKIP
         ortlab bisect: falling back ['aten.gelu'] to PyTorch removes the divergence
     """
+    forward_kwargs, options = split_keywords(model, keywords, tool="bisect_fallbacks", options=options,
+                                             forward_kwargs=forward_kwargs)
     base_ops = list(options.pop("fallback_ops", ()) or ())
     if isinstance(model, ORTModule):
         base_ops = list(model.options.fallback_ops) + base_ops
     options["fallback"] = "warn"  # trials must be able to fall back
     common: dict[str, Any] = dict(forward_kwargs=forward_kwargs, loss_fn=loss_fn, rtol=rtol, atol=atol, seed=seed)
-    baseline = compare(model, *inputs, fallback_ops=base_ops, **common, **options)
+    baseline = compare(model, *inputs, **common, options={**options, "fallback_ops": base_ops})
 
     def write(ops: Sequence[str] = ()) -> str | None:
         """The repro of the first diverging node of ``ops`` (the culprits found), else of the first divergence."""
@@ -152,7 +156,8 @@ def bisect_fallbacks(
             start = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FallbackWarning)
-                result = compare(model, *inputs, fallback_ops=base_ops + ops, intermediates=False, **common, **options)
+                result = compare(model, *inputs, intermediates=False, **common,
+                                 options={**options, "fallback_ops": base_ops + ops})
             if any(n.startswith("the step did not run through onnxruntime") for n in result.notes):
                 raise OrtlabError(f"a trial with fallback_ops={ops} did not run through onnxruntime: {result.notes[0]}")
             memo[key] = result.matches

@@ -40,6 +40,7 @@ from ortlab.config import Options
 from ortlab.inspect import _results
 from ortlab.inspect.loss import default_loss
 from ortlab.inspect._record import Recorder, compare_graph, onnx_value_names, onnx_values
+from ortlab.inspect._keywords import split_keywords
 from ortlab.inspect._results import (  # re-exported: the names of ortlab.inspect.compare before the split
     ATOL,
     RTOL,
@@ -78,6 +79,45 @@ class _Step:
     grads: dict[str, torch.Tensor | None]
     input_grads: list[torch.Tensor | None]
     buffers: dict[str, torch.Tensor]
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+
+_PLAIN = (int, float, bool, str, complex, type(None))
+
+
+def _held_tensors(value: Any, path: str, depth: int, seen: set[int]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors an object holds in its attributes, lists, tuples and dicts, by attribute path."""
+    if isinstance(value, torch.Tensor):
+        return [(path, value.detach())]
+    if isinstance(value, _PLAIN) or depth > 6 or id(value) in seen:
+        return []
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif hasattr(value, "__dict__") and not isinstance(value, (nn.Module, type)):
+        items = [(f"{path}.{k}", v) for k, v in vars(value).items() if not k.startswith("__")]
+    else:
+        return []
+    return [found for p, v in items for found in _held_tensors(v, p, depth + 1, seen)]
+
+
+def _output_leaves(out: Any) -> tuple[list[tuple[str, Any]], list[str]]:
+    """The output's leaves by path (pytree's), an object pytree does not know (a Hugging Face ``DynamicCache``)
+    by the tensors it holds, with a note for each such object: two caches are never equal as objects."""
+    leaves: list[tuple[str, Any]] = []
+    notes: list[str] = []
+    for p, v in pytree.tree_flatten_with_path(out)[0]:
+        name = f"out{pytree.keystr(p)}"
+        if isinstance(v, (torch.Tensor, *_PLAIN)):
+            leaves.append((name, v.detach() if isinstance(v, torch.Tensor) else v))
+            continue
+        held = _held_tensors(v, name, 0, set())
+        leaves.extend(held)
+        notes.append(f"{name} is a {type(v).__name__}: compared by the {len(held)} tensors it holds" if held else
+                     f"{name} is a {type(v).__name__} holding no tensors: left out of the comparison")
+    return leaves, notes
 
 
 def _run_step(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[Any], Any], seed: int) -> _Step:
@@ -87,8 +127,7 @@ def _run_step(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[A
     loss = loss_fn(out)
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         loss.backward()
-    paths, _ = pytree.tree_flatten_with_path(out)
-    outputs = [(f"out{pytree.keystr(p)}", v.detach() if isinstance(v, torch.Tensor) else v) for p, v in paths]
+    outputs, notes = _output_leaves(out)
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
     return _Step(
         outputs,
@@ -96,6 +135,7 @@ def _run_step(module: nn.Module, args: tuple, kwargs: dict, loss_fn: Callable[[A
         {n: p.grad for n, p in module.named_parameters()},
         [t.grad for t in leaves],
         {n: b.detach().clone() for n, b in module.named_buffers()},
+        notes,
     )
 
 
@@ -209,7 +249,8 @@ def compare(
     intermediates: bool = True,
     keep_values: bool = True,
     seed: int = 0,
-    **options: Any,
+    options: dict[str, Any] | None = None,
+    **keywords: Any,
 ) -> CompareResult:
     """Run one training step in eager PyTorch and through ortlab from the same state; compare all.
 
@@ -226,15 +267,20 @@ def compare(
             again in PyTorch and in onnxruntime with every value as an output).
         keep_values: keep every node's two values in ``result.graphs`` (for repro).
         seed: the random seed of both steps.
-        **options: ORTModule options of the ortlab side (``fallback_ops`` ...).
+        options: ORTModule options of the ortlab side (``fallback_ops`` ...).
+        **keywords: the forward's keyword inputs (``input_ids=ids``) and ORTModule options by name
+            (Note [Keyword inputs beside options] in ``ortlab.inspect._keywords``).
 
     Returns:
         A :class:`CompareResult`.
 
     Example:
         >>> result = compare(model, x, y, fallback_ops=["aten.gelu"])   # doctest: +SKIP
+        >>> result = compare(hf_model, input_ids=ids, labels=ids)       # doctest: +SKIP
         >>> result.matches, result.first_divergence                        # doctest: +SKIP
     """
+    forward_kwargs, options = split_keywords(model, keywords, tool="compare", options=options,
+                                             forward_kwargs=forward_kwargs)
     if isinstance(model, ORTModule):
         options = {**model.options.as_dict(), **options}
         model = model.module
@@ -257,6 +303,7 @@ def compare(
     calls = recorder.calls
     outputs, loss, grads, buffers = _compare_steps(ort, eager, rtol, atol)
     result = CompareResult(rtol, atol, dict(options), outputs, loss, grads, buffers)
+    result.notes.extend(eager.notes)
     if not result.matches and _has_float32(eager):
         with torch.random.fork_rng(devices=devices):
             _judge_against_float64(result, model, inputs, kwargs, loss_fn, seed, ort, eager)

@@ -34,6 +34,7 @@ from ortlab._compat.torch import dynamo_counters, eager_backward_lowering, forge
 from ortlab.artifacts import FolderSink
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import OrtlabError, UnsupportedInputError, first_line
+from ortlab.inspect._keywords import split_keywords
 from ortlab.inspect.lab import Lab
 from ortlab.inspect.lab_stage import ActivationRow, FallbackRow, GraphBreak, Stage
 from ortlab.inspect.loss import default_loss
@@ -374,7 +375,8 @@ def explore(
     example_kwargs: dict[str, Any] | None = None,
     loss_fn: LossFn | None = None,
     folder: str | None = None,
-    **options: Any,
+    options: dict[str, Any] | None = None,
+    **keywords: Any,
 ) -> Lab:
     """Step through the pipeline on ``model``: each stage runs when asked, and shows itself.
 
@@ -391,19 +393,24 @@ def explore(
             :func:`~ortlab.inspect.loss.default_loss`.
         folder: where the stages are saved; default a temporary folder that is
             deleted with the lab (use ``lab.save(folder)`` to keep it).
-        **options: engine options, as for ``ORTModule`` (``recompute``, ``fallback_ops``...).
+        options: engine options, as for ``ORTModule`` (``recompute``, ``fallback_ops``...).
+        **keywords: the call's keyword inputs (``input_ids=ids``) and engine options by name (Note [Keyword
+            inputs beside options] in ``ortlab.inspect._keywords``).
 
     Example:
         >>> lab = ortlab.explore(model, x, y)         # doctest: +SKIP
+        >>> lab = ortlab.explore(hf_model, input_ids=ids, labels=ids)   # doctest: +SKIP
         >>> lab.next()                                 # doctest: +SKIP
         >>> lab.run("split").activations[0]            # doctest: +SKIP
         >>> lab["exported"].view(node="addmm")         # doctest: +SKIP
     """
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedInputError(f"explore takes a torch.nn.Module, got {type(model).__name__}.")
+    example_kwargs, options = split_keywords(model, keywords, tool="explore", options=options,
+                                             forward_kwargs=example_kwargs)
     if isinstance(model, ORTModule):
         options = {**model.options.as_dict(), **options}
         model = model.module
-    if not isinstance(model, torch.nn.Module):
-        raise UnsupportedInputError(f"explore takes a torch.nn.Module, got {type(model).__name__}.")
     opts = Options.from_kwargs(options)
     owns = folder is None
     folder = os.path.abspath(folder or tempfile.mkdtemp(prefix="ortlab_lab_"))
