@@ -35,6 +35,18 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+def _fmt_ratio(x: float | None) -> str:
+    """An error / tolerance ratio; a non-finite one (a NaN or an infinity on one side only) in words, not ``inf``."""
+    if x is not None and not math.isfinite(x):
+        return "NaN/inf on one side"
+    return _fmt(x)
+
+
+def _matches_by_noise(result: CompareResult) -> bool:
+    """The step matches and whatever is beyond tolerance was judged fp32 noise."""
+    return result.matches and any(c.fp32_noise for c in result.step)
+
+
 def _graph_kinds(result: CompareResult) -> list[str]:
     """The graph kinds (forward, backward, inference) of the compared nodes, in order of appearance."""
     kinds: list[str] = []
@@ -56,7 +68,8 @@ def _verdict(result: CompareResult) -> str:
 
 
 def result_text(result: CompareResult) -> str:
-    """The readable report of a compare result: step values, first divergence, per-layer table."""
+    """The readable report of a compare result: the verdict, a line per kind of step value, the per-layer table,
+    the first divergence (when there is one) and the notes. Each value's own line is in ``result.step``."""
     lines = [f"ortlab.compare: {_verdict(result)} (rtol={result.rtol:g}, atol={result.atol:g})"]
     for label, group in (("outputs", result.outputs), ("loss", [result.loss] if result.loss else []),
                          ("grads", result.grads), ("buffers", result.buffers)):
@@ -64,30 +77,36 @@ def result_text(result: CompareResult) -> str:
             continue
         bad = [c for c in group if not c.ok]
         worst = max((c for c in group if c.stats), key=lambda c: c.stats.worst_ratio, default=None)  # type: ignore[union-attr]
-        noise = sum(1 for c in group if c.fp32_noise)
+        noise = [c for c in group if c.fp32_noise]
         text = f"  {label:<8} {len(group) - len(bad)}/{len(group)} within tolerance"
-        text += f" ({noise} of them fp32 noise, judged against float64)" if noise else ""
+        text += (f" ({len(noise)} beyond it but as exact as eager's against a float64 run: fp32 noise)"
+                 if noise else "")
         if worst is not None and worst.stats is not None:
             text += f"; worst {worst.name}: max abs {worst.stats.max_abs:.3g}, max rel {worst.stats.max_rel:.3g}"
         lines.append(text)
         lines.extend(f"           {c.name}: {c.note}" for c in bad if c.note)
-        lines.extend(f"           {c.name}: out of tolerance, but {c.fp32_noise}" for c in group if c.fp32_noise)
+        lines.extend(f"           {c.name}: out of tolerance" for c in bad if not c.note)
     compared = [n for n in result.nodes if n.stats is not None]
-    lines.append(f"intermediates: {len(compared)} compared, {len(result.diverged_nodes)} out of tolerance, "
-                 f"{sum(n.runtime == 'pytorch' for n in result.nodes)} ran in PyTorch")
+    if result.nodes:
+        lines.append(f"intermediates: {len(compared)} compared, {len(result.diverged_nodes)} out of tolerance, "
+                     f"{sum(n.runtime == 'pytorch' for n in result.nodes)} ran in PyTorch")
     first = result.first_divergence
-    lines.append(f"first divergence: {first.describe()}" if first else "first divergence: none")
     layers = result.layers()
     if layers:
         kinds = _graph_kinds(result)
         rows = [["module", *[f"{k} err/tol" for k in kinds], "nodes", "diverged", "first diverged node"]]
         for layer in layers:
             mark = "  <- first divergence" if first is not None and layer.first is first else ""
-            rows.append([layer.module or "<root>", *[_fmt(layer.worst.get(k)) for k in kinds], str(layer.nodes),
+            rows.append([layer.module or "<root>", *[_fmt_ratio(layer.worst.get(k)) for k in kinds], str(layer.nodes),
                          str(layer.diverged), (f"{layer.first.node} ({layer.first.op})" if layer.first else "-") + mark])
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines.append("per layer (largest error / tolerance; above 1 is out of tolerance):")
         lines.extend("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    if first is not None:
+        lines.append(f"first divergence: {first.describe()}")
+    if any(c.fp32_noise for c in result.step):
+        lines.append("note: fp32 noise: a value beyond tolerance whose distance from a float64 run of eager is at most "
+                     "eager's own (Note [Judged against float64]); result.step has each value's comparison")
     lines.extend(f"note: {n}" for n in result.notes)
     return "\n".join(lines)
 
@@ -105,29 +124,47 @@ def result_html(result: CompareResult, node_link: NodeLink | None = None, footer
 
     def named(n: NodeComparison, text: str) -> str:
         return node_link(n, text) if node_link is not None else text
-    color = "#2e7d32" if result.ok else "#c62828"
+    # A step that matches is green, also when values were judged fp32 noise; intermediates beyond tolerance under
+    # a matching step are amber; only a step that diverges is red.
+    color = "#2e7d32" if result.matches and result.ok or _matches_by_noise(result) else \
+        "#9a6700" if result.matches else "#c62828"
     parts = [f"<div><b style='color:{color}'>ortlab.compare: {_verdict(result)}</b> "
              f"(rtol={result.rtol:g}, atol={result.atol:g})</div>"]
+
+    def state(c: object) -> tuple[str, str]:  # (the cell's words, the row's background)
+        if c.fp32_noise:  # type: ignore[attr-defined]
+            return "fp32 noise", "#eeeeee"
+        if c.ok:  # type: ignore[attr-defined]
+            return "within", _ratio_color(c.stats.worst_ratio if c.stats else None)  # type: ignore[attr-defined]
+        return "OUT", _ratio_color(c.stats.worst_ratio if c.stats else math.inf)  # type: ignore[attr-defined]
+
     rows = "".join(
-        f"<tr style='background:{_ratio_color(c.stats.worst_ratio if c.stats else None)}'><td>{esc(c.kind)}</td>"
+        f"<tr style='background:{state(c)[1]}'><td>{esc(c.kind)}</td>"
         f"<td>{esc(c.name)}</td><td>{_fmt(c.stats.max_abs if c.stats else None)}</td>"
-        f"<td>{_fmt(c.stats.max_rel if c.stats else None)}</td><td>{'yes' if c.ok else 'no'}</td></tr>"
+        f"<td>{_fmt(c.stats.max_rel if c.stats else None)}</td><td>{state(c)[0]}</td></tr>"
         for c in result.step
     )
-    parts.append("<table><tr><th>kind</th><th>value</th><th>max abs</th><th>max rel</th><th>ok</th></tr>"
-                 f"{rows}</table>")
+    bad = sum(not c.ok for c in result.step)
+    summary = (f"{len(result.step)} step values (outputs, loss, gradients, buffers): "
+               + (f"{bad} out of tolerance" if bad else "all within tolerance"))
+    noise = sum(bool(c.fp32_noise) for c in result.step)
+    if noise:
+        summary += (f"; {noise} beyond it are fp32 noise: as close to a float64 run of eager as eager itself "
+                    "(Note [Judged against float64])")
+    table = ("<table><tr><th>kind</th><th>value</th><th>max abs</th><th>max rel</th><th>tolerance</th></tr>"
+             f"{rows}</table>")
+    # Detail on demand: the step's table is open only when the step diverges.
+    parts.append(f"<details{' open' if not result.matches else ''}><summary>{esc(summary)}</summary>{table}</details>")
     first = result.first_divergence
-    if first is not None:
+    if first is not None and not result.ok:
         where = named(first, f"<code>{esc(first.node)}</code>")
         parts.append(f"<p><b>first divergence:</b> {where} {esc(first.describe())}</p>")
-    else:
-        parts.append("<p><b>first divergence:</b> none</p>")
     kinds = _graph_kinds(result)
     head = "".join(f"<th>{esc(k)}</th>" for k in kinds)
     body = []
     for layer in result.layers():
         cells = "".join(
-            f"<td style='background:{_ratio_color(layer.worst.get(k))}'>{_fmt(layer.worst.get(k))}</td>" for k in kinds
+            f"<td style='background:{_ratio_color(layer.worst.get(k))}'>{_fmt_ratio(layer.worst.get(k))}</td>" for k in kinds
         )
         first_node = (f"{named(layer.first, esc(layer.first.node))} ({esc(layer.first.op)})" if layer.first
                       else "-")
@@ -143,7 +180,7 @@ def result_html(result: CompareResult, node_link: NodeLink | None = None, footer
             f"<td>{esc(n.graph)}</td><td>{named(n, esc(n.node))}</td><td>{esc(n.op)}</td><td>{esc(n.module or '<root>')}</td>"
             f"<td>{esc(n.source)}</td><td>{_fmt(n.stats.max_abs if n.stats else None)}</td>"
             f"<td>{_fmt(n.stats.max_rel if n.stats else None)}</td>"
-            f"<td>{_fmt(n.stats.worst_ratio if n.stats else None)}</td></tr>"
+            f"<td>{_fmt_ratio(n.stats.worst_ratio if n.stats else None)}</td></tr>"
             for n in diverged[:_HTML_NODES]
         )
         more = f" (first {_HTML_NODES} of {len(diverged)})" if len(diverged) > _HTML_NODES else ""

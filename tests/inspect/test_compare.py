@@ -218,8 +218,12 @@ def test_clean_model_reports_no_divergence():
     assert sum(n.stats is not None for n in result.nodes) > 40
     assert {layer.module for layer in result.layers()} >= {"emb", "mlp.fc", "mlp.act", "mlp.ln", "head"}
     text = str(result)
-    assert "ortlab.compare: OK" in text and "first divergence: none" in text and "mlp.act" in text
-    assert "<table>" in result._repr_html_()
+    assert text.startswith("ortlab.compare: OK") and "first divergence" not in text and "mlp.act" in text
+    # Lead with the verdict and the per-layer table: a line per kind of step value, not per gradient.
+    assert len(text.splitlines()) <= 8 + len(result.layers()) + len(result.notes), text
+    page = result._repr_html_()
+    assert "<table>" in page and "#c62828" not in page and "first divergence" not in page and "inf<" not in page
+    assert "<details><summary>" in page  # the step's values on demand
     # The user's model is untouched: no grads, same state.
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
