@@ -204,9 +204,10 @@ def bisect_html(result: BisectResult, baseline_html: str = "") -> str:
     color = "#2e7d32" if result.found else "#c62828"
     parts = [f"<div style='font-family:sans-serif;font-size:13px'><b style='color:{color}'>ortlab bisect:</b> "
              f"{esc(result.reason)}</div>"]
-    first = result.baseline.first_divergence
-    if first is not None:
-        parts.append(f"<p><b>first divergence:</b> {esc(first.describe())}</p>")
+    line = result.culprit_line()
+    if line is not None:
+        head, _, rest = line.partition(": ")
+        parts.append(f"<p><b>{esc(head)}:</b> {esc(rest)}</p>")
     if result.found and result.ops:
         fix = f"ORTModule(model, fallback_ops={result.base_ops + result.ops!r})"
         parts.append(f"<p><b>fix for now:</b> <code>{esc(fix)}</code></p>")

@@ -29,7 +29,7 @@ from torch import nn
 from ortlab.errors import FallbackWarning, OrtlabError
 from ortlab.inspect._keywords import split_keywords
 from ortlab.inspect._tables import bisect_html
-from ortlab.inspect.compare import ATOL, RTOL, CompareResult, compare
+from ortlab.inspect.compare import ATOL, RTOL, CompareResult, NodeComparison, compare
 from ortlab.inspect.reduce import Trial, minimize
 from ortlab.inspect.repro import write_repro
 from ortlab.ortmodule import ORTModule
@@ -62,11 +62,27 @@ class BisectResult:
     reason: str
     base_ops: list[str] = dataclasses.field(default_factory=list)
 
+    @property
+    def culprit(self) -> NodeComparison | None:
+        """The node the outcome is about: the first diverging node of the ops found, else the first divergence
+        (the repro script shows this node)."""
+        return next((n for n in self.baseline.diverged_nodes if n.op in self.ops), self.baseline.first_divergence)
+
+    def culprit_line(self) -> str | None:
+        """``first divergence: ...``, of the ops found when there are some, saying so when an earlier node
+        (fp32 noise, another op) is beyond tolerance first."""
+        node, first = self.culprit, self.baseline.first_divergence
+        if node is None:
+            return None
+        if self.ops and node is not first and first is not None:
+            return (f"first divergence of {', '.join(self.ops)}: {node.describe()} (earlier, {first.node} "
+                    f"({first.op}) is beyond tolerance too, and falling it back was not needed)")
+        return f"first divergence: {node.describe()}"
+
     def __str__(self) -> str:
         lines = [f"ortlab bisect: {self.reason}"]
-        first = self.baseline.first_divergence
-        if first is not None:
-            lines.append(f"first divergence: {first.describe()}")
+        if (line := self.culprit_line()) is not None:
+            lines.append(line)
         if self.found and self.ops:
             lines.append(f"fix for now: ORTModule(model, fallback_ops={self.base_ops + self.ops!r})")
         if self.repro:
@@ -79,6 +95,28 @@ class BisectResult:
 
     def _repr_html_(self) -> str:
         return bisect_html(self, self.baseline._repr_html_())
+
+
+def _default_progress() -> Callable[[str], None]:
+    """In a notebook (an IPython kernel), one line under the cell updated in place; elsewhere the log (INFO)."""
+    import html
+    import logging
+
+    logger = logging.getLogger(__name__)
+    shell = None
+    if "IPython" in sys.modules:  # never imported here: only a running IPython has a kernel to show it in
+        shell = sys.modules["IPython"].get_ipython()
+    if shell is None or not hasattr(shell, "kernel"):
+        return lambda text: logger.info("ortlab bisect: %s", text)
+    from IPython.display import HTML, display
+
+    handle = display(HTML(""), display_id=True)
+
+    def show(text: str) -> None:
+        handle.update(HTML(f"<div style='font-family:sans-serif;font-size:12px;color:#555'>bisecting: "
+                           f"{html.escape(text)}</div>"))
+
+    return show
 
 
 def _candidates(result: CompareResult, diverged_only: bool) -> list[str]:
@@ -101,6 +139,7 @@ def bisect_fallbacks(
     repro_dir: str | None = None,
     max_trials: int = 64,
     seed: int = 0,
+    progress: Callable[[str], None] | None = None,
     options: dict[str, Any] | None = None,
     **keywords: Any,
 ) -> BisectResult:
@@ -118,6 +157,8 @@ def bisect_fallbacks(
         candidates: op names to search (``aten.gelu``); default as above.
         repro_dir: folder of the repro; created if missing.
         max_trials: stop with an error after this many trials (each captures the model).
+        progress: called with a line of text as the comparison and each trial run; default: in a notebook, one
+            line updated in place under the cell, elsewhere the log (INFO).
 
     Example:
         >>> found = bisect_fallbacks(model, x, y)         # doctest: +SKIP
@@ -131,7 +172,16 @@ def bisect_fallbacks(
         base_ops = list(model.options.fallback_ops) + base_ops
     options["fallback"] = "warn"  # trials must be able to fall back
     common: dict[str, Any] = dict(forward_kwargs=forward_kwargs, loss_fn=loss_fn, rtol=rtol, atol=atol, seed=seed)
+    say = progress or _default_progress()
+    began = time.perf_counter()
+    say("comparing one step with eager PyTorch, every intermediate value...")
     baseline = compare(model, *inputs, **common, options={**options, "fallback_ops": base_ops})
+    say(f"the step {'matches' if baseline.matches else 'diverges'} ({time.perf_counter() - began:.1f} s)"
+        + ("" if baseline.matches else "; trying ops in PyTorch..."))
+
+    def done(result: BisectResult) -> BisectResult:
+        say(f"done in {time.perf_counter() - began:.1f} s, {len(result.trials)} trial(s): {result.reason}")
+        return result
 
     def write(ops: Sequence[str] = ()) -> str | None:
         """The repro of the first diverging node of ``ops`` (the culprits found), else of the first divergence."""
@@ -145,7 +195,7 @@ def bisect_fallbacks(
         why = "the step matches eager PyTorch: nothing to bisect"
         if baseline.first_divergence is not None:
             why += " (intermediate values diverge but the outputs and gradients stay within tolerance)"
-        return BisectResult([], True, baseline, [], [], write(), why, base_ops)
+        return done(BisectResult([], True, baseline, [], [], write(), why, base_ops))
 
     trials: list[Trial] = []
     memo: dict[frozenset[str], bool] = {}
@@ -162,6 +212,9 @@ def bisect_fallbacks(
                 raise OrtlabError(f"a trial with fallback_ops={ops} did not run through onnxruntime: {result.notes[0]}")
             memo[key] = result.matches
             trials.append(Trial(tuple(ops), result.matches, time.perf_counter() - start))
+            shown = ", ".join(ops[:4]) + (f" and {len(ops) - 4} more" if len(ops) > 4 else "")
+            say(f"trial {len(trials)}: {shown or '(none)'} in PyTorch: "
+                f"{'matches' if result.matches else 'still diverges'} ({trials[-1].seconds:.1f} s)")
         return memo[key]
 
     first = baseline.first_divergence
@@ -170,13 +223,13 @@ def bisect_fallbacks(
     if candidates is None and (not pool or not passes(pool)):
         pool = _candidates(baseline, diverged_only=False)
     if not pool:
-        return BisectResult([], False, baseline, [], trials, write(), "no op ran in onnxruntime: nothing to fall back",
-                            base_ops)
+        return done(BisectResult([], False, baseline, [], trials, write(),
+                                 "no op ran in onnxruntime: nothing to fall back", base_ops))
     if not passes(pool):
         why = (f"the step still diverges with all {len(pool)} candidate ops in PyTorch: the difference comes from "
                "elsewhere (ops that always run in PyTorch, or the graph split itself)")
-        return BisectResult([], False, baseline, pool, trials, write(), why, base_ops)
+        return done(BisectResult([], False, baseline, pool, trials, write(), why, base_ops))
     ops, _ = minimize(pool, passes, hints=hints, max_trials=max_trials)
     why = f"falling back {ops} to PyTorch removes the divergence"
     # The repro shows the culprit's own node, which an earlier, smaller divergence may precede.
-    return BisectResult(ops, True, baseline, pool, trials, write(ops), why, base_ops)
+    return done(BisectResult(ops, True, baseline, pool, trials, write(ops), why, base_ops))

@@ -307,8 +307,14 @@ def test_planted_backward_bug_is_found_in_the_backward_graph(planted):
 def test_bisect_names_the_op_and_the_repro_reproduces(planted, tmp_path):
     planted("aten.gelu", "mlp.act")
     model, x, y = make()
-    found = bisect_fallbacks(model, x, y, repro_dir=str(tmp_path))
+    said: list[str] = []
+    found = bisect_fallbacks(model, x, y, repro_dir=str(tmp_path), progress=said.append)
     assert found.found and found.ops == ["aten.gelu"], str(found)
+    # Progress as it runs: the comparison, each trial, the end; the summary is about the op found.
+    assert said[0].startswith("comparing one step") and said[-1].startswith("done in"), said
+    assert sum(line.startswith("trial ") for line in said) == len(found.trials), said
+    assert found.culprit is not None and found.culprit.op == "aten.gelu"
+    assert "first divergence: " in str(found) and "(aten.gelu)" in found.culprit_line()
     assert found.candidates[0] == "aten.gelu"
     assert found.trials[-1].ops == ("aten.gelu",) and found.trials[-1].passed
     assert "fallback_ops=['aten.gelu']" in str(found)
