@@ -350,6 +350,8 @@ class Report:
                     f"  saved activations ({p.policy}): {len(p.activations) - len(p.recomputed)} saved, "
                     f"{len(p.recomputed)} recomputed, {p.saved_bytes:,} bytes (without recompute {p.baseline_bytes:,})"
                 )
+                if p.note:
+                    lines.append(f"    note: {p.note}")
         fbs = self.fallbacks
         if fbs:
             lines.append(f"fallbacks to PyTorch: {len(fbs)}")

@@ -155,3 +155,27 @@ def test_activations_are_named_for_what_a_user_knows(gpt_and_batch):
     assert "blocks.0: attention softmax" in labels.values()
     assert any(v.endswith("LayerNorm inv std") or v.endswith("LayerNorm mean") for v in labels.values())
     assert all(":" in v for v in labels.values())
+
+
+def test_a_preset_that_would_save_more_than_none_says_so_and_saves_as_none():
+    """Note [A preset never saves more than none]: the min-cut partitioner's auto plan saved more bytes than no
+    recompute on a 2-layer TransformerEncoder; the plan without recompute is used, and the report says why."""
+    import warnings
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(8, 32, 64)
+    plans, grads = {}, {}
+    for policy in ("none", "auto"):
+        om = ortlab.ORTModule(copy.deepcopy(enc), recompute=policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            om(x).sum().backward()
+        plans[policy] = om.report.captures[0].plan
+        grads[policy] = [p.grad for p in om.parameters()]
+    assert plans["auto"].saved_bytes <= plans["none"].saved_bytes
+    assert "more than without recompute" in plans["auto"].note and plans["none"].note == ""
+    assert "more than without recompute" in str(om.report)
+    for a, b in zip(grads["auto"], grads["none"]):
+        torch.testing.assert_close(a, b)

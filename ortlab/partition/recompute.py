@@ -18,6 +18,7 @@ is, where it comes from, its bytes, and whether this plan recomputes it and why.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
 import re
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ from ortlab.config import describe_recompute, parse_recompute
 from ortlab._compat.torch import OpOverload, default_partition, forward_region, min_cut_rematerialization_partition
 from ortlab.provenance import module_path, op_name, source_line
 from ortlab.sizes import value_bytes
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SavedActivation", "RecomputePlan", "partition_joint"]
 
@@ -132,6 +135,7 @@ class RecomputePlan:
         saved_bytes: bytes the chosen partition actually saves (at the example sizes).
         baseline_bytes: bytes the no-recompute partition saves.
         rejected: rows of the policy (``"+gelu_3"``) left out, and why (see Note [Rows never add bytes]).
+        note: why the plan is not the policy's own, when it is not (Note [A preset never saves more than none]).
     """
 
     policy: str
@@ -139,6 +143,7 @@ class RecomputePlan:
     saved_bytes: int
     baseline_bytes: int
     rejected: dict[str, str] = dataclasses.field(default_factory=dict)
+    note: str = ""
 
     @property
     def recomputed(self) -> list[SavedActivation]:
@@ -310,6 +315,12 @@ def _save_recompute_inputs(joint: torch.fx.GraphModule) -> None:
                 inp.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
+# Note [A preset never saves more than none]
+# torch's min-cut partitioner chooses what to save by its own cost model, and on a 2-layer
+# nn.TransformerEncoder recompute="auto" saved 10.7 MB where the partition without recompute saves 9.7 MB:
+# more memory and more work, silently. A plan that saves more bytes than the no-recompute partition is
+# replaced by that one, with a note in the plan (the report and the toggles show it) and a warning.
+
 # Note [Rows never add bytes]
 # A row added to a preset ("+ln_2") recomputes one more activation, but what it is rebuilt
 # from must then be saved; inside a layerwise plan those inputs were themselves recomputed,
@@ -382,6 +393,7 @@ def partition_joint(
     reasons: dict[str, str] = {}
     rejected: dict[str, str] = {}
     preset, added, removed = parse_recompute(policy)
+    note = ""
 
     def split() -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
         _save_recompute_inputs(joint)
@@ -401,6 +413,12 @@ def partition_joint(
         fw, bw = split()
         if added:
             fw, bw = _add_rows(joint, num_fwd_outputs, added, reasons, rejected, split, fw, bw)
+        chosen, none = _fw_saved_bytes(fw, num_fwd_outputs), _fw_saved_bytes(base_fw, num_fwd_outputs)
+        if chosen > none:  # Note [A preset never saves more than none]
+            note = (f"recompute={describe_recompute(policy)!r} would save {chosen:,} bytes, more than without "
+                    f"recompute ({none:,}); the partition without recompute is used")
+            logger.warning("ortlab: %s", note)
+            fw, bw, reasons = base_fw, base_bw, {}
     saved = set(_saved_nodes(fw, num_fwd_outputs))
     activations = []
     for name in baseline:
@@ -430,6 +448,7 @@ def partition_joint(
     saved_bytes = _fw_saved_bytes(fw, num_fwd_outputs)
     plan = RecomputePlan(
         policy=describe_recompute(policy),
+        note=note,
         rejected=rejected,
         activations=activations,
         saved_bytes=saved_bytes,

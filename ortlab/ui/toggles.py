@@ -389,6 +389,8 @@ class RecomputeToggles:
         p = self.plan
         text = (f"policy in force <code>{esc(describe_recompute(self.run.om.options.recompute))}</code>: "
                 f"{len(p.recomputed)} recomputed, {p.saved_bytes:,} bytes saved (without recompute {p.baseline_bytes:,})")
+        if p.note:
+            text += f"<br><b>{esc(p.note)}</b>"
         for row, why in p.rejected.items():
             text += f"<br>left out <code>+{esc(row)}</code>: {esc(why)}"
         return text
