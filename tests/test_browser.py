@@ -176,7 +176,11 @@ for step in range(8):
     model(idx, targets).backward()
 mon.detach()
 lab = ortlab.explore(GPT(config), idx, targets)
-lab.run("exported")
+lab.run("onnxscript")
+from IPython.display import display
+# Another graph of the lab opened first, as the stepper's "View graph" does: the table links still open in the
+# view of the graph they belong to (Note [A link opens in the frame showing its graph]).
+display(lab["onnxscript"].view())
 lab["exported"].view()""",
     'lab["split"]',
     "mon.kernel_table(top=20)",
@@ -226,9 +230,10 @@ def _open(page: Any, link: Any, cells: dict[str, str], shot: str) -> tuple[dict[
     screenshot of the netron frame (``shot``) as the user sees it: the page scrolls the sidebar
     to the node's source by itself, which must be in sight.
     """
-    url, frame_name = link.get_attribute("href"), link.get_attribute("target")
+    url = link.get_attribute("href")
     node = urllib.parse.parse_qs(urllib.parse.urlparse(url).query)["node"][0]
     link.click()
+    frame_name = link.get_attribute("target")  # the frame the click chose: the one showing the link's graph
     frame = _frame_at(page, frame_name, url)
     frame.locator("#sidebar-content").get_by_text(node, exact=True).first.wait_for(timeout=60_000)
     iframe = page.locator(f"iframe[name='{frame_name}']")
@@ -288,6 +293,9 @@ def test_table_links_open_the_node_and_its_source_in_netron(lab, browser):
         assert sidebar.get("ortlab.module") == row["module"], (shot, row, sidebar)
         assert "source" not in row or sidebar.get("ortlab.source") == row["source"], (shot, row, sidebar)
         assert re.search(r"models\.py:\d+ in ", sidebar.get("ortlab.source", "")), (shot, sidebar)
+    # The view opened first (another graph) still shows its own graph: no link was sent there.
+    first = page.frame(name=page.locator("iframe").first.get_attribute("name"))
+    assert first is not None and "onnxscript" in urllib.parse.unquote(first.url), first and first.url
     page.screenshot(path=str(ARTIFACTS / "links.png"), full_page=True)
     # The fallback toggles link their ops the same way.
     ops = page.locator(".widget-vbox", has=page.get_by_text("Ops (checked")).last

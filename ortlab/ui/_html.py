@@ -72,12 +72,13 @@ def link(text: str, url: str | None, frame: str, onclick: str = "") -> str:
 
     Example:
         >>> link("<code>node_mm</code>", "http://127.0.0.1:1/?node=node_mm", "f")  # doctest: +ELLIPSIS
-        "<a href='http://127.0.0.1:1/?node=node_mm' target='f' title='open in netron' style='...'><code style='color:inherit'>node_mm</code></a>"
+        "<a href='http://127.0.0.1:1/?node=node_mm' target='f' data-frames='f' title='open in netron' style='...'><code style='color:inherit'>node_mm</code></a>"
     """
     if url is None:
         return text
     text = text.replace("<code>", "<code style='color:inherit'>")
     handler = f" onclick='{html.escape(onclick, quote=True)}'" if onclick else ""
     return (f"<a href='{html.escape(url, quote=True)}' target='{html.escape(frame, quote=True)}' "
+            f"data-frames='{html.escape(frame, quote=True)}' "
             f"title='open in netron' style='{LINK_STYLE}'{handler}>{text}</a>")
 

@@ -13,6 +13,7 @@ tables show plain text.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -23,6 +24,8 @@ from ortlab.inspect.profile import NodeTime
 from ortlab.provenance import onnx_node_index
 from ortlab.ui._html import link
 from ortlab.ui._netron_frame import FOCUS_JS, frame_html
+
+_VIEWERS = itertools.count(1)  # each view under a table is a frame of its own (Note [A link opens in the frame ...])
 
 __all__ = ["Linker"]
 
@@ -138,7 +141,7 @@ class Linker:
 
     def viewer(self, url: str | None, height: int) -> str:
         """The IFrame the links open in, showing ``url`` first; "" without a URL."""
-        return frame_html(url, self.frame, height) if url else ""
+        return frame_html(url, f"{self.frame}_{next(_VIEWERS)}", height) if url else ""
 
 
 def _stage_files(stage: Stage) -> Files:

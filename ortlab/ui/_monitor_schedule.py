@@ -261,7 +261,9 @@ class Schedule:
         # and at least every 10 * ``every`` steps: the memory curve never stops.
         since = n - self._last["memory"]
         step_s = self.train_s / self.train_steps if self.train_steps else 0.0
-        cheap = self.cost["memory"] <= 0.01 * self.every * step_s
+        # Two timed readings before one may count as dear: a single preempted one (a busy machine)
+        # would otherwise stop the cheap readings until the 10 * ``every`` floor.
+        cheap = self.cost["memory"] <= 0.01 * self.every * step_s or len(log.memory) < 3
         if since >= self.every and (cheap or since >= 10 * self.every or self.allowed("memory", "redraw")):
             start = time.perf_counter()
             reading = sample_memory(self.module).to_dict()
@@ -269,12 +271,6 @@ class Schedule:
             log.memory.append(reading)
             self._last["memory"] = n
             took = time.perf_counter() - start
-            if len(log.memory) > 1 and took > 0.01 * self.every * step_s:
-                # One preempted reading (a busy machine) would stop the cheap readings until the
-                # 10 * ``every`` floor: before believing it, time one more (~7 us when it is cheap).
-                start = time.perf_counter()
-                sample_memory(self.module)
-                took = min(took, time.perf_counter() - start)
             if len(log.memory) > 1:  # the first reading warms up (~120 us); then keep the lowest
                 self.cost["memory"] = min(self.cost["memory"], took) if self.cost["memory"] else took
         if not log.profiles and self.train_steps:

@@ -58,12 +58,28 @@ _ON_ALIVE = (
 # The pointer left the frame: the shield is back, the wheel scrolls the notebook again.
 _ON_LEAVE = "var s=this.querySelector('.ortlab-netron-shield');if(s){s.style.display='flex';}"
 _ON_SHIELD_CLICK = "this.style.display='none';"
-# A table link: bring its frame into sight; a frame that is not live (its message shows) is not navigated.
+# Note [A link opens in the frame showing its graph]
+# Every view's frame has a name of its own: the family's (``frame_name``: a lab's folder) and a number. A table
+# link names the family (``data-frames``); on a click it picks, among the family's live frames, the one showing
+# the link's graph file (``?file=``: the frame's last link, else its first page), else the last one opened, and
+# retargets itself there, so the stepper's "View graph" frame no longer takes the table's links to a graph it
+# does not show. No frame of the family: the link opens a tab of its own; frames not live (their message
+# shows) are not navigated.
 FOCUS_JS = (
-    "var f=document.getElementsByName(this.target)[0];"
-    "var c=f&&f.closest('.ortlab-netron');if(!c){return true;}"
+    "var p=this.getAttribute('data-frames')||this.target,want=null;"
+    "try{want=new URL(this.href).searchParams.get('file');}catch(e){}"
+    "var fs=[].slice.call(document.querySelectorAll('iframe')).filter(function(f){"
+    "return f.name===p||f.name.indexOf(p+'_')===0;});"
+    "if(!fs.length){return true;}"
+    "var live=fs.filter(function(f){var b=f.closest('.ortlab-netron');b=b&&b.querySelector('.ortlab-netron-box');"
+    "return b&&b.style.display!=='none';});"
+    "if(!live.length){return false;}"
+    "var f=live.filter(function(f){var u=f.getAttribute('data-shown')||f.getAttribute('src')||f.getAttribute('data-src');"
+    "try{return new URL(u,location.href).searchParams.get('file')===want;}catch(e){return false;}})[0]"
+    "||live[live.length-1];"
+    "this.target=f.name;f.setAttribute('data-shown',this.href);var c=f.closest('.ortlab-netron');"
     + _INTO_SIGHT +
-    "return c.querySelector('.ortlab-netron-box').style.display!=='none';"
+    "return true;"
 )
 
 

@@ -24,6 +24,7 @@ The work is split by job, and every public name is re-exported here:
 from __future__ import annotations
 
 import html
+import itertools
 import os
 import re
 from typing import Any
@@ -82,6 +83,9 @@ MAX_NODES = 5000
 HEIGHT = 720
 
 
+_FRAMES = itertools.count(1)
+
+
 class NetronView:
     """A graph in netron, shown in the notebook as an IFrame (``_repr_html_``).
 
@@ -93,7 +97,9 @@ class NetronView:
     def __init__(self, server: NetronServer, name: str, path: str, node: str | None = None,
                  height: int = HEIGHT, info: str = "", frame: str | None = None) -> None:
         self.server, self.name, self.path, self.node = server, name, path, node
-        self.height, self.info, self.frame = height, info, frame or frame_name(os.path.dirname(path))
+        # A name of its own in its family (Note [A link opens in the frame showing its graph]).
+        family = frame or frame_name(os.path.dirname(path))
+        self.height, self.info, self.frame = height, info, f"{family}_{next(_FRAMES)}"
         self.url = server.url(name, node)
 
     def _repr_html_(self) -> str:

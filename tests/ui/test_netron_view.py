@@ -490,8 +490,9 @@ def test_table_links_bring_their_frame_into_sight(server, saved):
     url = linker.url(str(saved), "relu")
     anchor = linker.link("<code>relu</code>", url)
     assert "target='ortlab_netron_x'" in anchor and "onclick='" in anchor
-    assert "scrollTop+=" in html.unescape(anchor) and "getElementsByName(this.target)" in html.unescape(anchor)
-    assert 'name="ortlab_netron_x"' in linker.viewer(url, 300)
+    assert "scrollTop+=" in html.unescape(anchor) and "this.target=f.name" in html.unescape(anchor)
+    assert "data-frames='ortlab_netron_x'" in anchor  # Note [A link opens in the frame showing its graph]
+    assert 'name="ortlab_netron_x_' in linker.viewer(url, 300)
 
 
 def test_views_name_graph_inputs_after_what_they_are(server, tmp_path):

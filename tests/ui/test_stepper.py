@@ -65,7 +65,7 @@ def test_rows_link_to_their_node_in_netron(tmp_path, no_server):
     server = netron_view.running_default_server()
     assert server is not None and view.server is server
     frame = netron_view.frame_name(lab.folder)
-    assert f"name=\"{frame}\"" in view._repr_html_()
+    assert f"name=\"{frame}_" in view._repr_html_() and view.frame.startswith(f"{frame}_")
     page = stage_html(split)
     assert f"target='{frame}'" in page
     act = next(a for a in split.activations if a.onnx_node)
