@@ -47,13 +47,14 @@ class KernelTable:
     """
 
     def __init__(self, rows: list[tuple[NodeTime, str | None]], steps: int, linker: Linker | None,
-                 height: int = 0, hint: str = "") -> None:
+                 height: int = 0, hint: str = "", empty: str = "") -> None:
         self.rows, self.steps, self._linker, self.height, self._hint = rows, max(1, steps), linker, height, hint
+        # Why there is no row yet, and when there will be (the monitor's kernel note), for an empty table.
+        self.empty = empty or "no kernel profile yet: mon.profile_now(), then train a few steps"
 
     def _repr_html_(self) -> str:
         if not self.rows:
-            return ("<p style='font-size:12px'>No kernel profile yet: <code>mon.profile_now()</code>, "
-                    "then train a few steps.</p>")
+            return f"<p style='font-size:12px'>{esc(self.empty[0].upper() + self.empty[1:])}.</p>"
         total = sum(r.dur_us for r, _ in self.rows) or 1.0
         cells = []
         for r, url in self.rows:
@@ -69,7 +70,7 @@ class KernelTable:
                 + table(header, cells) + hint + viewer + "</div>")
 
     def __repr__(self) -> str:
-        return "\n".join(f"{r.dur_us / self.steps:10,.0f} us  {r.label}" for r, _ in self.rows) or "no kernel profile"
+        return "\n".join(f"{r.dur_us / self.steps:10,.0f} us  {r.label}" for r, _ in self.rows) or self.empty
 
 
 def kernel_table(source: Any, graphs: Any = None, top: int = 15, height: int = HEIGHT) -> KernelTable:
@@ -90,6 +91,10 @@ def kernel_table(source: Any, graphs: Any = None, top: int = 15, height: int = H
         >>> kernel_table(mon, lab)                # into lab["exported"].view()  # doctest: +SKIP
     """
     profiles = getattr(source, "profiles", None)
+    empty = ""
+    if profiles is not None and not profiles and hasattr(source, "_kernel_note"):  # a monitor: why none, and when
+        empty = (f"no kernel profile after {source.steps} step(s); "
+                 + source._kernel_note().removeprefix("kernels: "))
     if profiles is not None:
         records: Iterable[NodeTime] = profiles[-1]["nodes"] if profiles else []
         steps = int(profiles[-1]["steps"]) if profiles else 1
@@ -110,5 +115,5 @@ def kernel_table(source: Any, graphs: Any = None, top: int = 15, height: int = H
     else:
         linker = None
     if linker is None or not linker.active:
-        return KernelTable([(r, None) for r in rows], steps, linker, 0, hint)
-    return KernelTable([(r, linker.kernel(r)) for r in rows], steps, linker, height, hint)
+        return KernelTable([(r, None) for r in rows], steps, linker, 0, hint, empty)
+    return KernelTable([(r, linker.kernel(r)) for r in rows], steps, linker, height, hint, empty)

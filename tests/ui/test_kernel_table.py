@@ -100,3 +100,20 @@ def test_monitor_kernel_table_links_to_the_modules_own_graphs():
         assert not os.path.exists(root)  # the temp folder goes with the module
     finally:
         netron_view.stop_default_server()
+
+
+def test_an_empty_kernel_table_says_why_and_when():
+    """Issue 43, item 12: 'no kernel profile' alone said neither why nor when one would exist."""
+    import torch
+
+    import ortlab
+    from ortlab.models import TinyMLP
+
+    om = ortlab.ORTModule(TinyMLP())
+    mon = ortlab.monitor(om, every=5, show=False, profile=False)
+    for _ in range(4):
+        om(torch.randn(4, 64)).sum().backward()
+    table = mon.kernel_table()
+    mon.close()
+    assert not table.rows and "after 4 step(s)" in repr(table) and "profile=False" in repr(table), repr(table)
+    assert "profile=False" in table._repr_html_()
