@@ -36,10 +36,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ortlab.errors import OrtlabError, first_line
@@ -177,19 +179,43 @@ class TimelineRecorder:
         return ended
 
     # ---------------------------------------------------------------------- profiler
+    # Note [Kineto's USDT lines]
+    # PyTorch's profiler (kineto) writes "USDT: ... profiler_start" and "... profiler_stop" to the process's
+    # stderr from C++ at every start and stop, whatever KINETO_LOG_LEVEL says; a notebook shows them as red
+    # stderr under every cell that records a timeline. Only the start and the stop run with file descriptor 2
+    # pointed at /dev/null (our own code's output, and other threads', in those microseconds is lost with it).
+    @staticmethod
+    @contextlib.contextmanager
+    def _quiet_stderr() -> Iterator[None]:
+        try:
+            sys.stderr.flush()
+            saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        except (OSError, AttributeError, ValueError):  # no file descriptor 2 to point elsewhere
+            yield
+            return
+        try:
+            os.dup2(devnull, 2)
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(devnull)
+
     def _start_profiler(self) -> None:
         import torch
 
         for label, runner, *_ in self._parts:
             runner.span = SPAN_PREFIX + label
         self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
-        self._profiler.start()
+        with self._quiet_stderr():  # Note [Kineto's USDT lines]
+            self._profiler.start()
         self._step_span = torch.profiler.record_function(f"{SPAN_PREFIX}step {self.step}")
         self._step_span.__enter__()
 
     def _finish(self, ended: bool) -> Timeline:
         self._step_span.__exit__(None, None, None)
-        self._profiler.stop()
+        with self._quiet_stderr():
+            self._profiler.stop()
         profiles = self._swap_twins_out()
         self.state = IDLE
         try:

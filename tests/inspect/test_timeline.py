@@ -245,3 +245,17 @@ def test_summarize_counts_each_instant_once():
               TimelineEvent("aten::add", "torch", "PyTorch", 70.0, 50.0)]  # runs past the step's end
     s = summarize(events, 100.0)
     assert (s.ort_kernels_us, s.ort_other_us, s.torch_us, s.gaps_us) == (15.0, 25.0, 50.0, 10.0)
+
+
+def test_recording_a_timeline_writes_nothing_to_stderr():
+    """Note [Kineto's USDT lines]: kineto's profiler_start/stop lines were red stderr under every timeline cell."""
+    import subprocess
+    import sys
+
+    code = ("import torch, ortlab\nfrom ortlab.models import TinyMLP\nom = ortlab.ORTModule(TinyMLP())\n"
+            "for _ in range(3): om(torch.randn(4, 64)).sum().backward()\n"
+            "mon = ortlab.monitor(om, show=False)\nmon.record_timeline()\n"
+            "for _ in range(3): om(torch.randn(4, 64)).sum().backward()\nmon.close()\nprint('recorded')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "recorded" in run.stdout, run.stderr
+    assert "USDT" not in run.stderr and "profiler_start" not in run.stderr, run.stderr
