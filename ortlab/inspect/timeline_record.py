@@ -110,6 +110,12 @@ class TimelineRecorder:
         Call between steps only (never while a forward or backward runs).
         """
         if self.state == ARMED:
+            if hasattr(self.module, "report") and not self.module.report.captures:
+                # The next step captures and compiles (seconds, mostly in PyTorch's tracing): not a training
+                # step to show. Recording waits for the first step after the capture.
+                self.waiting = "the module has not captured yet: its first step compiles"
+                self.step = n + 2 + (self.warmup if _parts_of(self.module) else 0)
+                return None
             racing = measuring_parts(self.module) if hasattr(self.module, "report") else 0
             if racing:
                 # The race runs its own sessions on these calls and would swap the twins out unrecorded.

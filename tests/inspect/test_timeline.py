@@ -259,3 +259,21 @@ def test_recording_a_timeline_writes_nothing_to_stderr():
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "recorded" in run.stdout, run.stderr
     assert "USDT" not in run.stderr and "profiler_start" not in run.stderr, run.stderr
+
+
+def test_a_timeline_armed_before_the_first_step_skips_the_capture():
+    """Issue 43, item 12: armed before the first step it recorded the compile step (seconds, 'all in PyTorch')."""
+    import torch
+
+    import ortlab
+    from ortlab.models import TinyMLP
+
+    om = ortlab.ORTModule(TinyMLP())
+    mon = ortlab.monitor(om, show=False)
+    mon.record_timeline()
+    for _ in range(5):
+        om(torch.randn(4, 64)).sum().backward()
+    mon.close()
+    timeline = mon.timeline()
+    assert timeline is not None and timeline.step >= 3, timeline
+    assert any(e.lane.startswith("onnxruntime") for e in timeline.events), [e.lane for e in timeline.events][:20]
