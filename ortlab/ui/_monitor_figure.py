@@ -191,9 +191,10 @@ def figure(s: dict[str, tuple], title: str, kernels: str) -> Any:
     layout = fig.layout
     for row, col in ((1, 1), (1, 2), (2, 1), (2, 2)):
         fig.update_xaxes(title_text="step", title_standoff=4, row=row, col=col)
-    fig.update_yaxes(title_text="process RSS, CUDA", title_font_color=_COLORS["rss"], row=2, col=2,
-                     secondary_y=False)
-    fig.update_yaxes(title_text="saved activations", title_font_color=_COLORS["saved"], row=2, col=2,
+    # "memory": the legend names each line (process RSS; CUDA used and allocated only where readings exist: the
+    # axis said "CUDA" on CPU-only machines).
+    fig.update_yaxes(title_text="memory (MiB)", title_font_color=_COLORS["rss"], row=2, col=2, secondary_y=False)
+    fig.update_yaxes(title_text="saved activations (MiB)", title_font_color=_COLORS["saved"], row=2, col=2,
                      secondary_y=True, showgrid=False)
     # Each bar panel keeps a share of its row for its labels (see the Note).
     titles = list(layout.annotations)

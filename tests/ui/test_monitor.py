@@ -705,3 +705,14 @@ def test_json_output_is_not_responsive_and_html_output_is(renderer, monkeypatch)
         else:  # plotly.js alone follows the window
             assert "application/vnd.plotly.v1+json" not in out and '"responsive": true' in out["text/html"]
     assert plots._HTML_RENDERERS == {pio.renderers.default: renderer != "plotly_mimetype"}
+
+
+def test_the_memory_axis_says_what_it_plots():
+    """Issue 43, item 5: the memory axis said "CUDA" on a CPU-only machine."""
+    om = ortlab.ORTModule(LossMLP())
+    mon = monitor(om, every=2, show=False, profile=False)
+    _train(om, 6)
+    mon.close()
+    fig = mon.figure()
+    titles = [fig.layout[k].title.text for k in fig.layout if k.startswith("yaxis") and fig.layout[k].title.text]
+    assert "memory (MiB)" in titles and not any("CUDA" in t for t in titles), titles
