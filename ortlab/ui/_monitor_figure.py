@@ -117,6 +117,7 @@ def series(log: StepLog, n: int, max_points: int, top: int, module_depth: int | 
             np.asarray([sum(r.dur_us for r in p["nodes"]) / p["steps"] / 1e3 for p in log.profiles], dtype=float),
         ),
         "first_s": (first_step_s(log, n),),
+        "step_range": _step_range(dt[later & ~profiled] * 1e3),
     }
     mem_steps = np.asarray([m["step"] for m in log.memory if m["step"] <= n], dtype=float)
     readings = [m for m in log.memory if m["step"] <= n]
@@ -131,6 +132,31 @@ def series(log: StepLog, n: int, max_points: int, top: int, module_depth: int | 
         out[name] = ([g.key for g in groups], np.asarray([g.dur_us / per for g in groups], dtype=float),
                      [f"{g.share:.1%} of kernel time, {g.count / per:.0f} kernel runs/step" for g in groups])
     return out
+
+
+# Note [Outliers do not set the step-time axis]
+# A re-capture (a guard failed: new shapes, Apply in the toggles) takes seconds where a step takes
+# milliseconds; on an autoranged axis one such step flattened every other into the floor. A step more
+# than OUTLIER times the median step is an outlier: the axis ends a little above the other steps,
+# and a note over the panel counts the outliers and gives the largest (they stay in the data: hover).
+OUTLIER = 4.0
+
+
+def _step_range(ms: np.ndarray) -> tuple:
+    """(the step-time axis' top or None for autorange, outliers above it, the largest), from the step times."""
+    ms = ms[np.isfinite(ms)]
+    if len(ms) < 3:
+        return (None, 0, 0.0)
+    median = float(np.median(ms))
+    above = ms > OUTLIER * median
+    if not above.any() or above.all():
+        return (None, 0, 0.0)
+    return (round(1.15 * float(ms[~above].max()), 3), int(above.sum()), round(float(ms[above].max()), 1))
+
+
+def _outliers_text(count: int, largest: float) -> str:
+    return (f"{count} step{'s' if count > 1 else ''} above the axis, up to {largest:,.0f} ms "
+            "(re-captures or tool steps)") if count else ""
 
 
 def wrap(text: str, width: int = 110) -> str:
@@ -222,6 +248,10 @@ def figure(s: dict[str, tuple], title: str, kernels: str) -> Any:
                        xref=f"{step_axis.xaxis} domain", yref=f"{step_axis.yaxis} domain", x=0.01, y=0.98,
                        xanchor="left", yanchor="top", font={"size": 11, "color": "#444"},
                        bgcolor="rgba(255,255,255,0.8)")
+    fig.add_annotation(name="step_outliers", text="", showarrow=False, visible=False,  # Note [Outliers do not ...]
+                       xref=f"{step_axis.xaxis} domain", yref=f"{step_axis.yaxis} domain", x=0.99, y=0.98,
+                       xanchor="right", yanchor="top", font={"size": 10, "color": "#b35900"},
+                       bgcolor="rgba(255,255,255,0.8)")
     fig.add_annotation(name="kernels", text=kernels, showarrow=False, xref="paper",
                        yref=f"{top_axis.yaxis} domain", x=0.5, y=0.5, font={"size": 13, "color": "#666"})
     for name in ("op_types", "modules"):
@@ -289,6 +319,12 @@ def update_traces(fig: Any, s: dict[str, tuple], title: str, kernels: str) -> No
                     trace.visible = bool(np.isfinite(s[name][1]).any())
         if changed("first_step", s["first_s"][0]):
             layout.annotations[notes["first_step"]].text = _first_text(s["first_s"][0])
+        if changed("step_range", s["step_range"]):
+            top, count, largest = s["step_range"]
+            step_trace = fig.data[LINES.index("step_ms")]
+            axis = layout[_axis("y", step_trace.yaxis)]
+            axis.update(autorange=True) if top is None else axis.update(range=[0, top], autorange=False)
+            layout.annotations[notes["step_outliers"]].update(text=_outliers_text(count, largest), visible=bool(count))
         empty = not len(s["top_ops"][0])
         if changed("kernels", (kernels, empty)):
             layout.annotations[notes["kernels"]].update(

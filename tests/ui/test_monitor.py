@@ -716,3 +716,19 @@ def test_the_memory_axis_says_what_it_plots():
     fig = mon.figure()
     titles = [fig.layout[k].title.text for k in fig.layout if k.startswith("yaxis") and fig.layout[k].title.text]
     assert "memory (MiB)" in titles and not any("CUDA" in t for t in titles), titles
+
+
+def test_a_re_capture_does_not_set_the_step_time_axis():
+    """Note [Outliers do not set the step-time axis]: a re-capture's seconds flattened every other step."""
+    om = ortlab.ORTModule(LossMLP())
+    mon = monitor(om, every=2, show=False, profile=False)
+    _train(om, 8)
+    x, y = _batch(7)  # another batch size: a guard fails and the module captures again
+    om(x, y).backward()
+    _train(om, 8)
+    mon.close()
+    fig = mon.figure()
+    step_axis = fig.layout[f"yaxis{fig.data[1].yaxis[1:]}"]
+    note = next(a for a in fig.layout.annotations if a.name == "step_outliers")
+    assert note.visible and "above the axis" in note.text, note.text
+    assert step_axis.autorange is False and step_axis.range[1] < 1000, step_axis
