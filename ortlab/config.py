@@ -326,9 +326,14 @@ class Options:
         return Options.from_kwargs({**self.as_dict(), **changes})
 
     @classmethod
+    def names(cls) -> set[str]:
+        """The option names ``ORTModule(**options)`` takes."""
+        return {f.name for f in dataclasses.fields(cls)} - {"from_env"}
+
+    @classmethod
     def from_kwargs(cls, kwargs: dict) -> Options:
         """Build options from ``ORTModule(**options)``, naming unknown keys."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"from_env"}
+        names = cls.names()
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise ConfigError(f"unknown ORTModule option(s) {unknown}; valid options: {sorted(names)}.")

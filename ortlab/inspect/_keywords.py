@@ -12,7 +12,6 @@ forward's parameters and the options. ``options=`` and ``forward_kwargs=`` take 
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import Any
 
@@ -21,11 +20,7 @@ from torch import nn
 from ortlab.config import Options
 from ortlab.errors import ConfigError
 
-__all__ = ["split_keywords", "option_names"]
-
-
-def option_names() -> set[str]:
-    return {f.name for f in dataclasses.fields(Options)} - {"from_env"}
+__all__ = ["split_keywords"]
 
 
 def _forward_parameters(model: nn.Module) -> tuple[set[str], bool]:
@@ -55,7 +50,7 @@ def split_keywords(model: nn.Module, keywords: dict[str, Any], *, tool: str,
     """
     inputs, opts = dict(forward_kwargs or {}), dict(options or {})
     names, takes_any = _forward_parameters(model)
-    valid = option_names()
+    valid = Options.names()
     for key, value in keywords.items():
         is_option, is_input = key in valid, key in names
         if is_option and is_input:

@@ -92,9 +92,9 @@ def kernel_table(source: Any, graphs: Any = None, top: int = 15, height: int = H
     """
     profiles = getattr(source, "profiles", None)
     empty = ""
-    if profiles is not None and not profiles and hasattr(source, "_kernel_note"):  # a monitor: why none, and when
+    if profiles is not None and not profiles and hasattr(source, "kernel_note"):  # a monitor: why none, and when
         empty = (f"no kernel profile after {source.steps} step(s); "
-                 + source._kernel_note().removeprefix("kernels: "))
+                 + source.kernel_note().removeprefix("kernels: "))
     if profiles is not None:
         records: Iterable[NodeTime] = profiles[-1]["nodes"] if profiles else []
         steps = int(profiles[-1]["steps"]) if profiles else 1

@@ -458,6 +458,10 @@ class Monitor:
             return waiting_line(len(self._log.start))
         return status_line(self._log, n, self.overhead["fraction"], self._kernel_note())
 
+    def kernel_note(self) -> str:
+        """What the kernel panels show, or when they will fill, or why they will not (``kernels: ...``)."""
+        return self._kernel_note()
+
     def _kernel_note(self) -> str:
         schedule = self._schedule
         return kernel_note(self._log, schedule.why_not or schedule.held, schedule.window(), schedule.next_window())
