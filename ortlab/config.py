@@ -11,7 +11,7 @@ strict or verbose without touching the training script:
 ``ORTLAB_SAVE_PATH``              folder of the saved stages
 ``ORTLAB_FALLBACK``               ``warn`` (default) or ``raise``
 ``ORTLAB_FALLBACK_OPS``           comma-separated ops to run in PyTorch (``aten.gelu,...``)
-``ORTLAB_RECOMPUTE``              ``none``, ``auto``, ``layerwise`` or comma-separated selectors
+``ORTLAB_RECOMPUTE``              ``none``, ``auto``, ``layerwise``, ``budget,0.5`` or comma-separated selectors
 ``ORTLAB_OPT_LEVEL``              onnxruntime graph optimization: disable|basic|extended|all
 ``ORTLAB_DYNAMIC``                ``auto`` (default), 1 (symbolic sizes from the start) or 0
 ``ORTLAB_CACHE_DIR``              folder of the on-disk cache of onnxruntime models
@@ -26,13 +26,15 @@ import dataclasses
 import enum
 import logging
 import os
+import re
 from collections.abc import Sequence
 from typing import Union
 
 from ortlab._cache_files import prepare_folder
 from ortlab.errors import ConfigError
 
-__all__ = ["LogLevel", "DebugOptions", "Options", "RECOMPUTE_PRESETS", "parse_recompute", "describe_recompute", "OPT_LEVELS", "tune_openmp_enabled"]
+__all__ = ["LogLevel", "DebugOptions", "Options", "RECOMPUTE_PRESETS", "parse_recompute", "describe_recompute",
+           "parse_budget", "OPT_LEVELS", "tune_openmp_enabled"]
 
 # The recompute presets and what each does: the one table (the toggles show it too).
 RECOMPUTE_PRESETS: dict[str, str] = {
@@ -43,7 +45,58 @@ RECOMPUTE_PRESETS: dict[str, str] = {
 OPT_LEVELS = ("disable", "basic", "extended", "all")
 FALLBACK_MODES = ("warn", "raise")
 
-RecomputeSpec = Union[str, Sequence[str]]
+RecomputeSpec = Union[str, Sequence[object]]
+# ("budget", 0.5) or ("budget", "300MB"): the saved activations fit a budget (Note [A memory budget] in
+# ortlab.partition.recompute). Not a preset of the table above: it needs its value.
+BUDGET = "budget"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(value: object) -> tuple[str, float]:
+    """A memory budget as ``("fraction", f)`` of the bytes saved without recompute, or ``("bytes", n)``.
+
+    Example:
+        >>> parse_budget(0.5), parse_budget("25%"), parse_budget("300MB"), parse_budget(2**20)
+        (('fraction', 0.5), ('fraction', 0.25), ('bytes', 300000000.0), ('bytes', 1048576.0))
+    """
+    if isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, (int, float)):
+        if isinstance(value, float) and 0 < value <= 1:
+            return "fraction", float(value)
+        if isinstance(value, int) and value >= 1024:  # ("budget", 1): all of it, or one byte? neither: said below
+            return "bytes", float(value)
+    elif isinstance(value, str):
+        text = value.strip().lower().replace(" ", "")
+        if m := re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)%", text):
+            f = float(m.group(1)) / 100
+            if 0 < f <= 1:
+                return "fraction", f
+        elif m := re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)([kmg]i?b|b)?", text):
+            number, unit = float(m.group(1)), m.group(2) or ""
+            if not unit and "." in m.group(1) and 0 < number <= 1:
+                return "fraction", number
+            if unit or number == int(number):
+                if number * _UNITS[unit] >= 1:
+                    return "bytes", number * _UNITS[unit]
+    raise ConfigError(
+        f"recompute=('budget', {value!r}): a budget is a fraction of the bytes saved without recompute "
+        "(0 < f <= 1: 0.5 or '50%') or a size ('300MB', '1.5GiB', or an int of at least 1024 bytes)."
+    )
+
+
+def _describe_budget(value: object) -> str:
+    kind, amount = parse_budget(value)
+    if kind == "fraction":
+        return f"budget {amount:.0%}" if round(amount * 100, 6) == int(round(amount * 100)) else f"budget {amount:.1%}"
+    return f"budget {_size(amount)}"
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{int(n)} B"
 
 
 def parse_recompute(spec: RecomputeSpec) -> tuple[str, tuple[str, ...], tuple[str, ...]]:
@@ -60,16 +113,20 @@ def parse_recompute(spec: RecomputeSpec) -> tuple[str, tuple[str, ...], tuple[st
     if isinstance(spec, str):
         return spec, (), ()
     items = list(spec)
-    preset = items.pop(0) if items and items[0] in RECOMPUTE_PRESETS else "none"
+    if items and items[0] == BUDGET:  # ("budget", value, *rows): the value is no row
+        preset, items = BUDGET, [s for s in items[2:]]
+    else:
+        preset = items.pop(0) if items and items[0] in RECOMPUTE_PRESETS else "none"
     added = tuple(s[1:] if s.startswith("+") else s for s in items if not s.startswith("-"))
     removed = tuple(s[1:] for s in items if s.startswith("-"))
     return preset, added, removed
 
 
 def describe_recompute(spec: RecomputeSpec) -> str:
-    """The policy as one short line: ``layerwise +gelu_3 -clone``."""
+    """The policy as one short line: ``layerwise +gelu_3 -clone``, ``budget 50%``."""
     preset, added, removed = parse_recompute(spec)
-    return " ".join([preset, *(f"+{s}" for s in added), *(f"-{s}" for s in removed)])
+    head = _describe_budget(list(spec)[1]) if preset == BUDGET else preset
+    return " ".join([head, *(f"+{s}" for s in added), *(f"-{s}" for s in removed)])
 
 
 class LogLevel(enum.IntEnum):
@@ -283,10 +340,16 @@ class Options:
                 )
         else:
             self.recompute = tuple(self.recompute)
-            bad = [s for s in self.recompute if not isinstance(s, str) or not s or s in ("+", "-")]
+            rows = self.recompute
+            if rows and rows[0] == BUDGET:
+                if len(rows) < 2:
+                    raise ConfigError("recompute=('budget', value) needs its value: ('budget', 0.5) or ('budget', '300MB').")
+                parse_budget(rows[1])
+                rows = rows[2:]
+            bad = [s for s in rows if not isinstance(s, str) or not s or s in ("+", "-")]
             if bad:
                 raise ConfigError(f"recompute selectors must be non-empty strings, got {bad!r}.")
-            late = [s for s in self.recompute[1:] if s in RECOMPUTE_PRESETS]
+            late = [s for s in self.recompute[1:] if isinstance(s, str) and s in (*RECOMPUTE_PRESETS, BUDGET)]
             if late:
                 raise ConfigError(f"recompute: a preset ({late[0]!r}) may only come first, e.g. "
                                   f"({late[0]!r}, '+gelu_3', '-op:aten.clone').")

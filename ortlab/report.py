@@ -349,6 +349,7 @@ class Report:
                 lines.append(
                     f"  saved activations ({p.policy}): {len(p.activations) - len(p.recomputed)} saved, "
                     f"{len(p.recomputed)} recomputed, {p.saved_bytes:,} bytes (without recompute {p.baseline_bytes:,})"
+                    + (f"; {p.cost}" if p.recompute_flops else "")
                 )
                 if p.note:
                     lines.append(f"    note: {p.note}")

@@ -67,6 +67,10 @@ def test_memory_and_recompute():
     before, after = (int(x.replace(",", "")) for x in re.search(r"saved activations ([\d,]+) -> ([\d,]+) bytes", text).groups())
     assert after * 2 <= before
     assert "one activation:" in text
+    budget, saved, none = (int(x.replace(",", "")) for x in re.search(
+        r"budget ([\d,]+) bytes: saves ([\d,]+) of ([\d,]+) bytes", text).groups())
+    assert saved <= budget == none // 2 and re.search(r"recomputes [\d.]+ [kMG]?FLOP \([\d.]+% of the forward\)", text)
+    assert "measuring budget 10% (7/7)" in text and "back to budget 50%: re-capture" in text
 
 
 def test_performance():

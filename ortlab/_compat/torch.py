@@ -49,6 +49,7 @@ __all__ = [
     "aot_module_simplified",
     "default_partition",
     "min_cut_rematerialization_partition",
+    "activation_memory_budget",
     "forward_region",
     "FakeTensorMode",
     "unset_fake_temporarily",
@@ -268,6 +269,15 @@ def tangent_positions(node: object) -> tuple[int, ...] | None:
 # protocol (``node.meta["recompute"]``).
 default_partition = _partitioners.default_partition
 min_cut_rematerialization_partition = _partitioners.min_cut_rematerialization_partition
+
+
+def activation_memory_budget(fraction: float):  # noqa: ANN201 - a context manager
+    """functorch's knapsack over the min-cut partition (``torch._functorch.config.activation_memory_budget``,
+    2.4+): 1.0 saves what the min-cut partitioner saves, 0.0 only the graph's inputs; between, the
+    fewest FLOPs recomputed that fit. torch names no public switch for it."""
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=fraction, activation_memory_budget_runtime_estimator="flops")
 
 
 def forward_region(joint: torch.fx.GraphModule) -> set[torch.fx.Node]:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ortlab._compat.torch import OpOverload
-from ortlab.config import RECOMPUTE_PRESETS, describe_recompute, parse_recompute
+from ortlab.config import BUDGET, RECOMPUTE_PRESETS, describe_recompute, parse_budget, parse_recompute
 from ortlab.errors import CaptureError, ConfigError, UnsupportedInputError
 from ortlab.inspect.loss import default_loss
 from ortlab.ortmodule import ORTModule
@@ -262,6 +262,7 @@ class RecomputeToggles:
         self.history: list[ApplyResult] = []
         self._captured_in_code: Callable[[], None] | None = None  # the shown widget's redraw
         self._following = False  # a _WhenCaptured sink was added to the module
+        self.points: list[Any] = []  # the last trade_off()
 
     @property
     def plan(self) -> RecomputePlan:
@@ -286,6 +287,22 @@ class RecomputeToggles:
             raise ConfigError(f"unknown preset {name!r}; choose one of {tuple(RECOMPUTE_PRESETS)}.")
         self.pending = name
 
+    def budget(self, value: object) -> None:
+        """Pend a memory budget: ``0.5`` of the bytes saved without recompute, or ``"300MB"``
+        (Note [A memory budget] in ortlab.partition.recompute)."""
+        parse_budget(value)
+        self.pending = (BUDGET, value)
+
+    def trade_off(self, policies: Any = None, steps: int = 5,
+                  progress: Callable[[str], None] | None = None) -> list[Any]:
+        """Each policy (default: none, auto, layerwise, budgets of 75/50/25/10%) re-captured and
+        measured: saved bytes and step time with spread (``ortlab.ui.tradeoff.TradePoint``). The
+        module runs the policy in force again afterwards. ``ortlab.ui.tradeoff.figure`` draws them."""
+        from ortlab.ui import tradeoff
+
+        self.points = tradeoff.measure(self, policies or tradeoff.TRADE_OFF_POLICIES, steps, progress)
+        return self.points
+
     def toggle(self, name: str, recompute: bool) -> None:
         """Recompute (or save) one activation on top of the pending preset: ``("layerwise", "+name")``.
 
@@ -304,7 +321,8 @@ class RecomputeToggles:
         elif not recompute and preset_recomputes:
             removed.append(name)
         rows = [*(f"+{a}" for a in added), *(f"-{r}" for r in removed)]
-        self.pending = (preset, *rows) if rows else preset
+        head = tuple(self.pending[:2]) if preset == BUDGET else (preset,)  # a budget keeps its value
+        self.pending = (*head, *rows) if rows or preset == BUDGET else preset
 
     def apply(self) -> ApplyResult:
         """Re-capture with the pending choice and measure saved bytes and step time."""
@@ -332,8 +350,17 @@ class RecomputeToggles:
 
         linker = _linker(self.run.om)
         widths = [270, 150, 80, 60, 70, 110]  # 740 px + the box: one line in an 800 px output
-        presets = w.ToggleButtons(options=list(RECOMPUTE_PRESETS), tooltips=list(RECOMPUTE_PRESETS.values()),
-                                  value=parse_recompute(self.pending)[0])
+        choices = {**{p: p for p in RECOMPUTE_PRESETS}, **{describe_recompute((BUDGET, b)): (BUDGET, b)
+                                                           for b in (0.75, 0.5, 0.25, 0.1)}}
+        tips = [*RECOMPUTE_PRESETS.values(), *(f"recompute the fewest FLOPs that keep the saved activations within "
+                                               f"{b:.0%} of those saved without recompute" for b in (0.75, 0.5, 0.25, 0.1))]
+
+        def choice_of(policy: object) -> str | None:
+            head = describe_recompute(policy).split(" +")[0].split(" -")[0]
+            return head if head in choices else None
+
+        presets = w.ToggleButtons(options=list(choices), tooltips=tips, value=choice_of(self.pending),
+                                  style={"button_width": "92px"})
         boxes: dict[str, Any] = {}
         cells: dict[str, Any] = {}
 
@@ -356,7 +383,8 @@ class RecomputeToggles:
 
         def on_preset(change: dict) -> None:
             if change["new"]:
-                self.preset(change["new"])
+                chosen = choices[change["new"]]
+                self.preset(chosen) if isinstance(chosen, str) else self.budget(chosen[1])
 
         def on_box(name: str) -> Callable[[dict], None]:
             return lambda change: self.toggle(name, change["new"])
@@ -370,7 +398,7 @@ class RecomputeToggles:
                 if a.name in boxes:
                     boxes[a.name].value = a.recomputed
                     cells[a.name].value = row_html(a, new_urls.get(a.name))
-            presets.value = parse_recompute(in_force)[0]
+            presets.value = choice_of(in_force)
             self.pending = in_force  # the observers above edited it; what is pending now is what runs
             viewer.value = _viewer(linker, list(new_urls.values()))
             status.value = self._summary() + note
@@ -400,12 +428,71 @@ class RecomputeToggles:
             self._following = True
         title = w.HTML("<b>Saved activations</b> (checked = recomputed in the backward; a name opens its node in netron)")
         header = w.HTML(_header(["activation (FX node)", "op", "shape", "dtype", "bytes", "module"], widths))
-        return w.VBox([title, presets, header, _table_box(w, rows), apply, status, viewer])
+        measure = w.Button(description="Measure the trade-off", tooltip="re-capture and time every preset and "
+                           "budgets of 75/50/25/10%: saved bytes against step time", layout=w.Layout(width="200px"))
+        plot = w.Box(layout=w.Layout(width="100%"))
+
+        def apply_point(policy: object) -> None:
+            self.pending = policy
+            on_apply(None)
+            draw_points()
+
+        def draw_points() -> None:
+            plot.children = [self._trade_off_view(w, apply_point)]
+
+        def on_measure(_: object) -> None:
+            def progress(text: str) -> None:
+                status.value = f"<i>{esc(text)}</i>"
+
+            self.trade_off(progress=progress)
+            redraw("")
+            draw_points()
+
+        measure.on_click(on_measure)
+        if self.points:  # measured from code (toggles.trade_off()) before the widget was shown
+            draw_points()
+        return w.VBox([title, presets, header, _table_box(w, rows), w.HBox([apply, measure]), status, plot, viewer])
+
+    def _trade_off_view(self, w: Any, apply_point: Callable[[object], None]) -> Any:
+        """The measured points as a FigureWidget whose points apply on click; where FigureWidget does
+        not render, a plain figure and a menu of the points."""
+        import plotly.graph_objects as go
+
+        from ortlab.ui import tradeoff
+        from ortlab.ui._monitor_figure import widgets_render_here
+
+        points = self.points
+        fig = tradeoff.figure(points, in_force=self.run.om.options.recompute)
+        best = ", ".join(p.label for p in tradeoff.best_points(points))
+        note = w.HTML(f"best on both axes: {esc(best)}. Bars: the fastest and slowest of the measured steps; "
+                      "points whose bars overlap differ by noise.")
+        if widgets_render_here():
+            try:
+                view = go.FigureWidget(fig)
+
+                def clicked(trace: Any, where: Any, _state: Any) -> None:
+                    if where.point_inds:
+                        apply_point(points[where.point_inds[0]].policy)
+
+                view.data[1].on_click(clicked)
+                return w.VBox([view, note])
+            except Exception as e:  # noqa: BLE001 - anywidget missing: the plain figure and a menu instead
+                logger.info("trade-off view: no FigureWidget (%s)", e)
+        menu = w.Dropdown(options=[(p.label, i) for i, p in enumerate(points)], description="apply")
+        go_button = w.Button(description="Apply point")
+        go_button.on_click(lambda _: apply_point(points[menu.value].policy))
+        out = w.Output()
+        with out:
+            from IPython.display import display
+            display(fig)
+        return w.VBox([out, w.HBox([menu, go_button]), note])
 
     def _summary(self) -> str:
         p = self.plan
         text = (f"policy in force <code>{esc(describe_recompute(self.run.om.options.recompute))}</code>: "
                 f"{len(p.recomputed)} recomputed, {p.saved_bytes:,} bytes saved (without recompute {p.baseline_bytes:,})")
+        if p.recompute_flops:
+            text += f"; {esc(p.cost)}"
         if p.note:
             text += f"<br><b>{esc(p.note)}</b>"
         for row, why in p.rejected.items():

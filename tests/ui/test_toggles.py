@@ -98,7 +98,8 @@ def test_recompute_widget_links_rows_and_apply_updates_them(gpt_and_batch):
     assert _query(urls[gelu.name])["node"].startswith(f"node_{gelu.name}") and "forward" in _query(urls[gelu.name])["file"]
     assert _query(urls[gelu.name])["node"] in _nodes_of_linked_file(urls[gelu.name])
     view = toggles.widget()
-    presets, header, table, apply, status, viewer = view.children[1:]
+    presets, header, table, buttons, status, _plot, viewer = view.children[1:]
+    apply, _measure = buttons.children
     assert "module" in header.value and "bytes" in header.value
     # Each row: its checkbox, and its name linked to the node, opening in the view under the table.
     text, url, target = _link(table.children[0].children[1].value)
@@ -121,6 +122,41 @@ def test_recompute_widget_links_rows_and_apply_updates_them(gpt_and_batch):
     assert "<code>auto</code>" in status.value and "re-captured from code" in status.value, status.value
     assert presets.value == "auto" and toggles.pending == "auto"
     assert [row.children[0].value for row in table.children] == [a.recomputed for a in toggles.plan.activations]
+
+
+def test_trade_off_points_best_line_and_click_to_apply(gpt_and_batch, monkeypatch):
+    from plotly.callbacks import Points
+
+    from ortlab.ui import tradeoff
+
+    model, batch = gpt_and_batch
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    toggles = RecomputeToggles(om, *batch)
+    monkeypatch.setattr(tradeoff, "TRADE_OFF_POLICIES", ("none", "layerwise", ("budget", 0.5)))
+    seen: list[str] = []
+    points = toggles.trade_off(steps=3, progress=seen.append)
+    assert [p.label for p in points] == ["none", "layerwise", "budget 50%"]
+    assert seen[0].startswith("measuring none (1/3)") and seen[-1] == "back to none: re-capture"
+    none, _, half = points
+    assert half.saved_bytes <= none.saved_bytes / 2 and "recomputes" in half.cost
+    assert all(len(p.timing.samples) == 3 and p.timing.low <= p.timing.median <= p.timing.high for p in points)
+    assert om.options.recompute == "none"  # the module runs the policy it ran before
+    best = tradeoff.best_points(points)
+    assert best and all(not (q.saved_bytes <= p.saved_bytes and q.timing.median < p.timing.median)
+                        for p in best for q in points)
+    fig = tradeoff.figure(points, in_force="none")
+    assert fig.layout.xaxis.title.text.startswith("saved activations (")
+    assert fig.layout.yaxis.title.text == "step time (ms): median, bars min-max of 3 steps"
+    assert len(fig.data[0].x) == len(best) and list(fig.data[1].text) == ["none", "layerwise", "budget 50%"]
+    # In the widget: Measure draws the points; a click on one applies its policy.
+    view = toggles.widget()
+    buttons, status, plot = view.children[4:7]
+    buttons.children[1].click()
+    figure_widget = plot.children[0].children[0]
+    assert "best on both axes" in plot.children[0].children[1].value
+    trace = figure_widget.data[1]
+    trace._dispatch_on_click(Points(point_inds=[1], xs=[0], ys=[0], trace_name="policies", trace_index=1), None)
+    assert om.options.recompute == "layerwise" and "layerwise" in status.value and "-&gt;" in status.value
 
 
 def test_fallback_toggles_send_and_back(gpt_and_batch):
