@@ -171,7 +171,12 @@ class MonitorView:
 
         box = self.widget()
         if box is not None:
+            from ortlab.ui._snapshot import Snapshot
+
             display(box)
+            # what a reopened notebook shows: the figure as plain output (ortlab.ui._snapshot)
+            self._snapshot = Snapshot("the monitor", figure=lambda: plots.bundle(self.figure(), self._status()))
+            self._snapshot.show()
         else:
             if self._static_figure is None:
                 self._static_figure = self.figure()

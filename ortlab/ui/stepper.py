@@ -232,6 +232,7 @@ class StepperWidget:
         import ipywidgets as w
 
         self.lab = lab
+        self.snapshot: Any = None  # the saved copy for a reopened notebook (ortlab.ui._snapshot), once shown
         self.stage = w.Dropdown(options=self._options(), description="stage")
         self.graph = w.Dropdown(options=[], description="graph")
         self.next_button = w.Button(description="Run next", icon="step-forward", button_style="primary")
@@ -297,6 +298,8 @@ class StepperWidget:
         self.graph.options = graphs
         self.graph.value = graphs[0] if graphs else None  # ipywidgets leaves it unselected (blank) otherwise
         self.view_button.disabled = not stage.artifacts
+        if self.snapshot is not None:  # the saved copy follows the stage shown (ortlab.ui._snapshot)
+            self.snapshot.refresh()
 
     def _view(self) -> None:
         stage = self.lab[self.stage.value]
@@ -314,7 +317,16 @@ def stepper(lab: Lab) -> Any:
     Example:
         >>> stepper(ortlab.explore(model, x))        # doctest: +SKIP
     """
-    return StepperWidget(lab).widget
+    from ortlab.ui._snapshot import Snapshot, attach
+
+    stepper = StepperWidget(lab)
+    stepper.snapshot = Snapshot("the stepper", render=lambda: state())
+
+    def state() -> str:  # every stage and the one shown (what a reopened notebook shows)
+        shown = stepper.lab[stepper.stage.value] if stepper.stage.value else None
+        return lab_html(lab) + (stage_html(shown) if shown is not None and shown.status != "pending" else "")
+
+    return attach(stepper.widget, stepper.snapshot)
 
 
 register_view("stage_html", stage_html)

@@ -348,7 +348,10 @@ class RecomputeToggles:
         netron), Apply, and the netron view the links open in."""
         import ipywidgets as w
 
+        from ortlab.ui._snapshot import Snapshot, attach
+
         linker = _linker(self.run.om)
+        snapshot = Snapshot("the recompute toggles", render=self.snapshot_html)  # redrawn after each change
         widths = [270, 150, 80, 60, 70, 110]  # 740 px + the box: one line in an 800 px output
         choices = {**{p: p for p in RECOMPUTE_PRESETS}, **{describe_recompute((BUDGET, b)): (BUDGET, b)
                                                            for b in (0.75, 0.5, 0.25, 0.1)}}
@@ -360,7 +363,7 @@ class RecomputeToggles:
             return head if head in choices else None
 
         presets = w.ToggleButtons(options=list(choices), tooltips=tips, value=choice_of(self.pending),
-                                  style={"button_width": "92px"})
+                                  style={"button_width": "104px"})
         boxes: dict[str, Any] = {}
         cells: dict[str, Any] = {}
 
@@ -402,6 +405,7 @@ class RecomputeToggles:
             self.pending = in_force  # the observers above edited it; what is pending now is what runs
             viewer.value = _viewer(linker, list(new_urls.values()))
             status.value = self._summary() + note
+            snapshot.refresh()
 
         applying = [False]  # Apply redraws by itself; a capture from code redraws through the sink
 
@@ -447,11 +451,34 @@ class RecomputeToggles:
             self.trade_off(progress=progress)
             redraw("")
             draw_points()
+            snapshot.refresh()
 
         measure.on_click(on_measure)
         if self.points:  # measured from code (toggles.trade_off()) before the widget was shown
             draw_points()
-        return w.VBox([title, presets, header, _table_box(w, rows), w.HBox([apply, measure]), status, plot, viewer])
+        box = w.VBox([title, presets, header, _table_box(w, rows), w.HBox([apply, measure]), status, plot, viewer])
+        return attach(box, snapshot)
+
+    def snapshot_html(self) -> str:
+        """The toggles' state as plain HTML: the policy, each saved activation, the last Apply and
+        the measured trade-off (what a reopened notebook shows, ``ortlab.ui._snapshot``)."""
+        from ortlab.ui import tradeoff
+        from ortlab.ui._snapshot import table_html
+
+        parts = [self._summary()]
+        if self.history:
+            parts.append(f"last Apply: {esc(self.history[-1])}")
+        rows = [[esc(a.label), f"<code>{esc(a.name)}</code>", f"<code>{esc(a.op)}</code>",
+                 esc("x".join(map(str, a.shape)) or "scalar"), fmt_bytes(a.bytes), "yes" if a.recomputed else "no"]
+                for a in self.plan.activations]
+        parts.append(table_html(["activation", "FX node", "op", "shape", "bytes", "recomputed"], rows))
+        if self.points:
+            best = tradeoff.best_points(self.points)
+            parts.append("<b>trade-off</b> (step time: median, min-max)" + table_html(
+                ["policy", "saved bytes", "step time", "cost", "best on both axes"],
+                [[esc(p.label), f"{p.saved_bytes:,}", esc(p.timing), esc(p.cost), "yes" if p in best else ""]
+                 for p in self.points]))
+        return "<br>".join(parts)
 
     def _trade_off_view(self, w: Any, apply_point: Callable[[object], None]) -> Any:
         """The measured points as a FigureWidget whose points apply on click; where FigureWidget does
@@ -588,7 +615,10 @@ class FallbackToggles:
         node in netron), where it runs and why, Apply, and the netron view the links open in."""
         import ipywidgets as w
 
+        from ortlab.ui._snapshot import Snapshot, attach
+
         linker = _linker(self.run.om)
+        snapshot = Snapshot("the fallback toggles", render=self.snapshot_html)  # redrawn after each Apply
         widths = [170, 40, 140, 90, 330]
         status = w.HTML()
         grid = _table_box(w, [])
@@ -618,12 +648,25 @@ class FallbackToggles:
             linker.forget()  # the module re-captured: new graphs
             render()
             status.value += f"<br><b>{esc(result)}</b>"
+            snapshot.refresh()
 
         apply.on_click(on_apply)
         render()
         title = w.HTML("<b>Ops</b> (checked = send to PyTorch; an op opens its first node in netron)")
         header = w.HTML(_header(["op", "count", "module", "runs in", "why"], widths))
-        return w.VBox([title, header, grid, apply, status, viewer])
+        return attach(w.VBox([title, header, grid, apply, status, viewer]), snapshot)
+
+    def snapshot_html(self) -> str:
+        """The ops, where each runs and why, and the last Apply, as plain HTML (``ortlab.ui._snapshot``)."""
+        from ortlab.ui._snapshot import table_html
+
+        parts = [f"fallback_ops = <code>{esc(repr(list(self.run.om.options.fallback_ops)))}</code>"]
+        if self.history:
+            parts.append(f"last Apply: {esc(self.history[-1])}")
+        parts.append(table_html(["op", "count", "module", "runs in", "why"], [
+            [f"<code>{esc(r.op)}</code>", f"x{r.count}", esc(r.module or "<root>"), r.where, esc(r.reason)]
+            for r in self.rows()]))
+        return "<br>".join(parts)
 
     def _ipython_display_(self) -> None:
         from IPython.display import display

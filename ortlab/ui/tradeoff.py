@@ -74,7 +74,8 @@ def figure(points: Sequence[TradePoint], in_force: object | None = None) -> Any:
         line={"dash": "dot", "color": "#2a7"}, name="best on both axes", hoverinfo="skip"))
     fig.add_trace(go.Scatter(
         x=[p.saved_bytes / scale for p in points], y=[1000 * p.timing.median for p in points],
-        mode="markers+text", text=[p.label for p in points], textposition="top center", name="policies",
+        mode="markers+text", text=[p.label for p in points], textposition=_text_positions(points, scale),
+        name="policies",
         customdata=[[i] for i in range(len(points))],
         marker={"size": [14 if describe_recompute(p.policy) == _label(in_force) else 9 for p in points],
                 "color": ["#2a7" if p in best else "#888" for p in points],
@@ -93,6 +94,20 @@ def figure(points: Sequence[TradePoint], in_force: object | None = None) -> Any:
         yaxis_title=f"step time (ms): median, bars min-max of {steps} steps",
         height=380, margin={"l": 60, "r": 20, "t": 50, "b": 50}, showlegend=False)
     return fig
+
+
+def _text_positions(points: Sequence[TradePoint], scale: float) -> list[str]:
+    """Labels of points that sit together (plans saving about the same bytes) go round them, not on one another."""
+    around = ["top center", "bottom center", "middle right", "middle left", "top right", "bottom right"]
+    span = max((p.saved_bytes for p in points), default=0) / scale or 1
+    placed: list[tuple[float, int]] = []
+    out = []
+    for p in points:
+        x = p.saved_bytes / scale
+        near = sum(1 for other, _ in placed if abs(other - x) < 0.04 * span)
+        placed.append((x, near))
+        out.append(around[near % len(around)])
+    return out
 
 
 def _label(policy: object | None) -> str | None:
