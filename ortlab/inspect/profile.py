@@ -15,6 +15,7 @@ Profiling the sessions of an ORTModule (``collect_profile``, ``ProfileWindow``) 
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import json
@@ -62,6 +63,8 @@ class NodeTime:
         op: the aten op (``aten.addmm``), or "".
         source: ``file:line in function`` of the model code, or "".
         provider: the execution provider that ran it.
+        per_run_us: its kernel time in each profiled run of its session (one run per step for a
+            graph called once a step), for the spread across steps; empty where unknown.
     """
 
     node: str
@@ -74,6 +77,7 @@ class NodeTime:
     op: str = ""
     source: str = ""
     provider: str = ""
+    per_run_us: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -155,7 +159,10 @@ def parse_profile(
     if provenance is None:
         provenance = node_provenance(model) if model is not None else {}
     cutoff = _end_of_runs(events, skip_runs)
+    starts = sorted(float(e.get("ts", 0)) for e in events
+                    if e.get("cat") == "Session" and e.get("name") == "model_run" and float(e.get("ts", 0)) >= cutoff)
     totals: dict[str, list] = {}
+    per_run: dict[str, list[float]] = {}
     for e in events:
         if e.get("cat") != "Node":
             continue
@@ -164,6 +171,10 @@ def parse_profile(
             continue
         node = onnx_node_of(name)
         args = e.get("args") or {}
+        if starts:  # the run it belongs to: the last that started before it
+            run = max(bisect.bisect_right(starts, float(e.get("ts", 0))) - 1, 0)
+            runs = per_run.setdefault(node, [0.0] * len(starts))
+            runs[run] += float(e.get("dur", 0))
         acc = totals.get(node)
         if acc is None:
             totals[node] = [args.get("op_name", ""), float(e.get("dur", 0)), 1, args.get("provider", "")]
@@ -174,7 +185,8 @@ def parse_profile(
     for node, (op_type, dur, count, provider) in totals.items():
         prov = provenance_of(node, provenance)
         records.append(
-            NodeTime(node=node, op_type=op_type, dur_us=dur, count=count, graph=graph, provider=provider, **prov)
+            NodeTime(node=node, op_type=op_type, dur_us=dur, count=count, graph=graph, provider=provider,
+                     per_run_us=per_run.get(node, []), **prov)
         )
     records.sort(key=lambda r: r.dur_us, reverse=True)
     return records
@@ -228,8 +240,9 @@ def merge(*profiles: Iterable[NodeTime]) -> list[NodeTime]:
             if key in out:
                 out[key].dur_us += r.dur_us
                 out[key].count += r.count
+                out[key].per_run_us = out[key].per_run_us + list(r.per_run_us)
             else:
-                out[key] = dataclasses.replace(r)
+                out[key] = dataclasses.replace(r, per_run_us=list(r.per_run_us))
     return sorted(out.values(), key=lambda r: r.dur_us, reverse=True)
 
 

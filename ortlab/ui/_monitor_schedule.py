@@ -244,8 +244,8 @@ class Schedule:
                 self.monitor_s += after - now  # not against the drawing share (see the Notes)
                 self._mark = now = after
             self._timeline_boundary(n, ending=False)
-            if self.recorder is not None and self.recorder.busy:
-                self.next_check = n + 1
+            if (self.recorder is not None and self.recorder.busy) or self._force_profile:  # profile_now() before
+                self.next_check = n + 1  # the first step: its window opens at the next boundary, not ``every`` later
             self._set_due(now)
             return now
         self.train_s += now - self._mark
@@ -285,7 +285,8 @@ class Schedule:
             and (window is None or not window.active)
             and (self._force_profile or (n - self._last["window"] >= self.every and self.allowed("profile")))
         )
-        if due and not self._racing():
+        held_by_race = due and self._racing()
+        if due and not held_by_race:
             self._force_profile = False
             profiling += self._start_window(n)
         elif not due:
@@ -297,7 +298,9 @@ class Schedule:
         self.monitor_s += after - now
         self._spent["redraw"] += after - now - profiling  # checks and readings count as drawing work
         self._mark, self._mark_n = after, n
-        self.next_check = n + (1 if self.recorder is not None and self.recorder.busy else self.every)
+        # a window held while the providers race opens at the first step after it, not ``every`` steps later
+        soon = held_by_race or (self.recorder is not None and self.recorder.busy)
+        self.next_check = n + (1 if soon else self.every)
         if self._window is not None and self._window.active:
             self.next_check = min(self.next_check, log.windows[-1][1])
         self._set_due(after)

@@ -23,10 +23,11 @@ fallback choices keep), or to nothing when that node is gone.
 from __future__ import annotations
 
 import logging
+import statistics
 from collections.abc import Iterable
 from typing import Any
 
-from ortlab.inspect.profile import NodeTime, top_nodes
+from ortlab.inspect.profile import NodeTime, merge, top_nodes
 from ortlab.inspect.lab import Lab
 from ortlab.ui._html import esc, table
 from ortlab.ui._links import Linker
@@ -47,30 +48,48 @@ class KernelTable:
     """
 
     def __init__(self, rows: list[tuple[NodeTime, str | None]], steps: int, linker: Linker | None,
-                 height: int = 0, hint: str = "", empty: str = "") -> None:
+                 height: int = 0, hint: str = "", empty: str = "", windows: int = 1) -> None:
         self.rows, self.steps, self._linker, self.height, self._hint = rows, max(1, steps), linker, height, hint
+        self.windows = windows
+        self.total_us = sum(r.dur_us for r, _ in rows)  # all kernels' time (set by kernel_table: not only these rows)
         # Why there is no row yet, and when there will be (the monitor's kernel note), for an empty table.
         self.empty = empty or "no kernel profile yet: mon.profile_now(), then train a few steps"
 
     def _repr_html_(self) -> str:
         if not self.rows:
             return f"<p style='font-size:12px'>{esc(self.empty[0].upper() + self.empty[1:])}.</p>"
-        total = sum(r.dur_us for r, _ in self.rows) or 1.0
+        total = self.total_us or 1.0
         cells = []
         for r, url in self.rows:
             name = f"<code>{esc(r.node)}</code>"
             cells.append([esc(r.graph), self._linker.link(name, url) if self._linker else name,
-                          f"<code>{esc(r.op_type)}</code>", f"{r.dur_us / self.steps:,.0f}", f"{r.dur_us / total:.0%}",
-                          esc(r.module or "<root>"), f"<small>{esc(r.source)}</small>"])
+                          f"<code>{esc(r.op_type)}</code>", f"{r.dur_us / self.steps:,.0f}", esc(spread(r)),
+                          f"{r.dur_us / total:.0%}", esc(r.module or "<root>"), f"<small>{esc(r.source)}</small>"])
         first = next((url for _, url in self.rows if url), None)
         hint = "" if first else self._hint
         viewer = self._linker.viewer(first, self.height) if self._linker and self.height else ""
-        header = ["graph", "node", "kernel", "us / step", "share", "module", "source"]
+        header = ["graph", "node", "kernel", "us / step", "per run: median (min-max)", "share", "module", "source"]
         return ("<div style='font-family:sans-serif'><h4 style='margin:8px 0 2px'>Slowest onnxruntime kernels</h4>"
+                f"<p style='font-size:12px;margin:2px 0'>{esc(self.covers)}</p>"
                 + table(header, cells) + hint + viewer + "</div>")
 
+    @property
+    def covers(self) -> str:
+        """What the times cover: steps, windows, what was left out, and what share means."""
+        return (f"{self.steps} profiled step(s) in {self.windows} window(s); each window's first step (new "
+                "sessions' first runs allocate) is left out. Share: of all kernel time in those steps.")
+
     def __repr__(self) -> str:
-        return "\n".join(f"{r.dur_us / self.steps:10,.0f} us  {r.label}" for r, _ in self.rows) or self.empty
+        lines = [f"{r.dur_us / self.steps:10,.0f} us  {spread(r):>22}  {r.label}" for r, _ in self.rows]
+        return "\n".join([self.covers, *lines]) if lines else self.empty
+
+
+def spread(r: NodeTime) -> str:
+    """A node's kernel time per run: ``median (min-max)`` in microseconds."""
+    if not r.per_run_us:
+        return "-"
+    runs = sorted(r.per_run_us)
+    return f"{statistics.median(runs):,.0f} ({runs[0]:,.0f}-{runs[-1]:,.0f})"
 
 
 def kernel_table(source: Any, graphs: Any = None, top: int = 15, height: int = HEIGHT) -> KernelTable:
@@ -95,11 +114,15 @@ def kernel_table(source: Any, graphs: Any = None, top: int = 15, height: int = H
     if profiles is not None and not profiles and hasattr(source, "kernel_note"):  # a monitor: why none, and when
         empty = (f"no kernel profile after {source.steps} step(s); "
                  + source.kernel_note().removeprefix("kernels: "))
-    if profiles is not None:
-        records: Iterable[NodeTime] = profiles[-1]["nodes"] if profiles else []
-        steps = int(profiles[-1]["steps"]) if profiles else 1
+    windows = 1
+    if profiles is not None:  # every window the monitor profiled, not only the last: more steps, and their spread
+        records: Iterable[NodeTime] = merge(*(p["nodes"] for p in profiles))
+        steps = sum(int(p["steps"]) for p in profiles) or 1
+        windows = len(profiles)
     else:
-        records, steps = source, 1
+        records, steps = list(source), 1
+    records = list(records)
+    total = sum(r.dur_us for r in records)
     rows = top_nodes(records, top)
     if graphs is None:
         graphs = getattr(source, "ortmodule", None)
@@ -115,5 +138,8 @@ def kernel_table(source: Any, graphs: Any = None, top: int = 15, height: int = H
     else:
         linker = None
     if linker is None or not linker.active:
-        return KernelTable([(r, None) for r in rows], steps, linker, 0, hint, empty)
-    return KernelTable([(r, linker.kernel(r)) for r in rows], steps, linker, height, hint, empty)
+        made = KernelTable([(r, None) for r in rows], steps, linker, 0, hint, empty, windows)
+    else:
+        made = KernelTable([(r, linker.kernel(r)) for r in rows], steps, linker, height, hint, empty, windows)
+    made.total_us = total
+    return made

@@ -117,3 +117,55 @@ def test_an_empty_kernel_table_says_why_and_when():
     mon.close()
     assert not table.rows and "after 4 step(s)" in repr(table) and "profile=False" in repr(table), repr(table)
     assert "profile=False" in table._repr_html_()
+
+
+def test_the_kernel_table_agrees_with_the_timeline():
+    """Issue 43, item 4: the table named one kernel slowest and the timeline another. Both now read the
+    same kind of steps (each window's warm-up step left out), the table all windows with each node's spread."""
+    import collections
+
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    # one kernel far slower than the rest: a 256x2048 by 2048x2048 matmul
+    model = ortlab.ORTModule(nn.Sequential(nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 2048), nn.ReLU(),
+                                           nn.Linear(2048, 8)))
+    x = torch.randn(256, 256)
+    mon = ortlab.monitor(model, every=1000, show=False, profile_steps=4)
+    mon.profile_now()  # opens once the providers' race is over (the first steps)
+    for _ in range(40):
+        model(x).sum().backward()
+        if mon.profiles:
+            break
+    mon.record_timeline()
+    for _ in range(3):
+        model(x).sum().backward()
+    timeline = mon.timeline()
+    table = mon.kernel_table(top=50)
+    mon.close()
+    assert table.steps >= 4 and "each window's first step" in repr(table)
+    per_node = collections.Counter()
+    for e in timeline.of_kind("kernel"):
+        per_node[(e.args.get("graph", ""), onnx_name(e.name))] += e.dur_us
+    # Three matmuls of 256x2048x2048 (forward, and the backward's two) take most of the time, in both views
+    # (their order among themselves is noise: the same FLOPs).
+    top_timeline = {key for key, _ in per_node.most_common(3)}
+    top_table = {(r.graph, r.node) for r, _ in table.rows[:3]}
+    assert top_table == top_timeline, (top_table, per_node.most_common(4))
+    for record, _ in table.rows[:3]:  # the timeline's step lies within the table's spread (give or take noise)
+        runs = sorted(record.per_run_us)
+        assert len(runs) == table.steps and runs[0] > 0
+        seen = per_node[(record.graph, record.node)]
+        assert runs[0] / 3 <= seen <= runs[-1] * 3, (record.label, runs, seen)
+    top, _ = table.rows[0]
+    # shares are of all kernel time, not of the rows shown
+    assert sum(r.dur_us for r, _ in table.rows) <= table.total_us
+    share = float(re.search(r">(\d+)%<", table._repr_html_()).group(1))
+    assert abs(share / 100 - top.dur_us / table.total_us) < 0.01
+
+
+def onnx_name(name: str) -> str:
+    from ortlab.provenance import onnx_node_of
+
+    return onnx_node_of(name)
