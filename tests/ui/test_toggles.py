@@ -232,3 +232,20 @@ def test_a_measuring_step_that_captures_again_is_left_out():
     timing = run.timed(steps=5)
     assert len(om.report.captures) > before and len(timing.samples) == 5
     assert max(timing.samples) < 0.5, timing  # no capture (seconds) among them
+
+
+def test_measuring_steps_are_not_training_steps_for_a_monitor(gpt_and_batch):
+    """Issue 43, item 5: after Apply the loss panel showed the example batch's loss flat and re-capture spikes."""
+    model, batch = gpt_and_batch
+    om = ortlab.ORTModule(copy.deepcopy(model))
+    mon = ortlab.monitor(om, every=1, show=False)
+    for _ in range(3):
+        om(*batch).backward()
+    steps = mon.steps
+    toggles = RecomputeToggles(om, *batch)
+    toggles.preset("layerwise")
+    toggles.apply()
+    assert mon.steps == steps and len(mon.data) <= steps
+    om(*batch).backward()  # training goes on: counted again
+    assert mon.steps == steps + 1
+    mon.close()
