@@ -103,6 +103,14 @@ def _uses_secondary_outputs(node: torch.fx.Node) -> bool:
     return any(u.target is operator.getitem and u.args[1] != 0 and u.users for u in node.users)
 
 
+# Note [topk's ties]
+# Among equal values ONNX TopK returns the lowest index first; PyTorch's topk returns indices of its own
+# choosing (its CPU kernel's heap order: the top 3 of ten zeros are at 8, 6 and 7). Ties are what users
+# hit: zeros after a ReLU, masked -inf, small integers. The values agree whichever is chosen, but the
+# indices, and where topk's gradient goes, do not: a topk whose indices are read (by the model, or by its
+# backward) runs in PyTorch. The whole-sweep run found it (int64 samples with repeated values).
+_TOPK_TIES = ("among equal values PyTorch's topk picks indices of its own (the top 3 of ten zeros are at 8, 6, 7) "
+              "where ONNX TopK takes the lowest first: its indices, and where its gradient goes, would differ on ties")
 _EMPTY_STATS = ("torchlib returns an empty placeholder for this attention kernel's logsumexp and other "
                 "statistics, which its backward reads")
 _ZERO_BAGS = ("torchlib fills embedding_bag's offset2bag, bag_size and max_indices with zeros of their shapes, and its "
@@ -381,6 +389,7 @@ KNOWN_WRONG: tuple[tuple[str, Callable[[torch.fx.Node], bool], str], ...] = (
     *((op, _uses_secondary_outputs, _ZERO_BAGS)
       for op in ("aten._embedding_bag", "aten.embedding_bag", "aten._embedding_bag_forward_only")),
     *((op, _float64_with_numbers, _FLOAT32_NUMBERS) for op in _FLOAT64_INEXACT),
+    ("aten.topk", _uses_secondary_outputs, _TOPK_TIES),  # Note [topk's ties]
     *((op, _float64_result, _FLOAT64_TRIG) for op in ("aten.sin", "aten.cos", "aten.polar")),  # Note [float64 sine and cosine ...]
     # Note [Integers and empty reductions in PyTorch]
     ("aten.pow", _integer_power_of_tensor, _INT_POW),
