@@ -15,8 +15,10 @@ nn.Module and source line are in netron's sidebar.
 from __future__ import annotations
 
 import dataclasses
+import html
 import logging
 import math
+import re
 import statistics
 import time
 import weakref
@@ -44,11 +46,21 @@ __all__ = ["RecomputeToggles", "FallbackToggles", "ApplyResult", "OpRow"]
 logger = logging.getLogger(__name__)
 
 
-def _cells(values: list[str], widths: list[int]) -> str:
-    """One table row of a widget: ``values`` (already HTML) in columns ``widths`` (px) wide."""
-    spans = "".join(f"<span style='display:inline-block;width:{w}px;overflow:hidden;text-overflow:ellipsis;"
-                    f"white-space:nowrap;vertical-align:top;padding-right:6px'>{v}</span>" for v, w in zip(values, widths))
-    return f"<div style='font-size:12px;line-height:28px'>{spans}</div>"
+def _cells(values: list[str], widths: list[int], wrap: tuple[int, ...] = ()) -> str:
+    """One table row of a widget: ``values`` (already HTML) in columns ``widths`` (px) wide.
+
+    Columns in ``wrap`` (names, modules, reasons) wrap onto more lines rather than lose their end (a long
+    module path, the node link after a name); the others are cut with an ellipsis and say all in a tooltip.
+    """
+    spans = []
+    for i, (v, w) in enumerate(zip(values, widths)):
+        fit = ("white-space:normal;overflow-wrap:anywhere;line-height:16px;padding:6px 6px 6px 0" if i in wrap
+               else "white-space:nowrap;overflow:hidden;text-overflow:ellipsis;padding-right:6px")
+        title = html.escape(re.sub(r"<[^>]+>", "", v).replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&"),
+                            quote=True)
+        spans.append(f"<span title=\"{title}\" style='display:inline-block;width:{w}px;{fit};vertical-align:top'>"
+                     f"{v}</span>")
+    return f"<div style='font-size:12px;line-height:28px'>{''.join(spans)}</div>"
 
 
 def _header(names: list[str], widths: list[int]) -> str:
@@ -378,7 +390,7 @@ class RecomputeToggles:
             node = _name(linker, f"<code>{esc(a.name)}</code>", url)
             return _cells([f"{esc(a.label)} <small>{node}</small>", f"<code>{esc(a.op)}</code>",
                            esc("x".join(map(str, a.shape)) or "scalar"), esc(a.dtype), fmt_bytes(a.bytes),
-                           esc(a.module or "<root>")], widths)
+                           esc(a.module or "<root>")], widths, wrap=(0, 5))
 
         urls = self.urls(linker)
         rows = []
@@ -640,7 +652,7 @@ class FallbackToggles:
                 color = "#b00" if row.where == "PyTorch" else "#070"
                 text = _cells([_name(linker, f"<code>{esc(row.op)}</code>", urls[-1]), f"x{row.count}",
                                esc(row.module or "<root>"), f"<span style='color:{color}'>{row.where}</span>",
-                               f"<span title='{esc(row.reason)}'>{esc(row.reason)}</span>"], widths)
+                               esc(row.reason)], widths, wrap=(0, 2, 4))
                 items.append(w.HBox([box, w.HTML(text)]))
             grid.children = items
             viewer.value = _viewer(linker, urls)
