@@ -855,18 +855,32 @@ def test_recompute_toggles_follow_code_and_rows_never_add_bytes(lab, browser):
     page.wait_for_function("() => /policy in force none[^]*->/.test(document.body.innerText)", timeout=180_000)
 
     # Save, stop the kernel, reopen: the widget is gone, its snapshot shows the last state.
-    page.locator(".jp-Notebook").first.click(position={"x": 5, "y": 5})
-    page.keyboard.press("Control+s")
-    deadline = time.time() + 30
+    deadline = time.time() + 60
     while "policy in force <code>none" not in (lab.root / "toggles.ipynb").read_text() and time.time() < deadline:
-        time.sleep(0.5)
+        page.locator(".jp-NotebookPanel-toolbar [data-command='docmanager:save']").first.click()  # the save button
+        time.sleep(3)
+    assert "policy in force <code>none" in (lab.root / "toggles.ipynb").read_text(), "not saved with its snapshot"
+    # The kernel goes (its widgets with it), and the notebook opens in a new page, as on another day.
+    kernels = [s["kernel"]["id"] for s in _kernel_sessions(lab, "toggles.ipynb")]
     for session in _kernel_sessions(lab, "toggles.ipynb"):
         request = urllib.request.Request(f"{lab.base}/api/sessions/{session['id']}?token={lab.token}", method="DELETE")
-        urllib.request.urlopen(request, timeout=30)
-    page.reload()
+        urllib.request.urlopen(request, timeout=60)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        with urllib.request.urlopen(f"{lab.base}/api/kernels?token={lab.token}", timeout=10) as r:
+            if not {k["id"] for k in json.load(r)} & set(kernels):
+                break
+        time.sleep(0.5)
+    page.close()
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.goto(f"{lab.base}/lab/workspaces/toggles-reopened/tree/toggles.ipynb?token={lab.token}")
     page.wait_for_selector(".jp-Notebook", timeout=120_000)
     snapshot = page.locator("div.ortlab-snapshot", has_text="Snapshot").first
-    snapshot.wait_for(state="visible", timeout=60_000)
+    try:
+        snapshot.wait_for(state="visible", timeout=60_000)
+    except Exception:
+        page.screenshot(path=str(ARTIFACTS / "recompute-toggles-reopened-failed.png"))
+        raise
     snapshot.scroll_into_view_if_needed()
     page.wait_for_timeout(1000)
     page.screenshot(path=str(ARTIFACTS / "recompute-toggles-reopened.png"))

@@ -50,6 +50,7 @@ __all__ = [
     "default_partition",
     "min_cut_rematerialization_partition",
     "activation_memory_budget",
+    "without_symbols",
     "forward_region",
     "FakeTensorMode",
     "unset_fake_temporarily",
@@ -269,6 +270,24 @@ def tangent_positions(node: object) -> tuple[int, ...] | None:
 # protocol (``node.meta["recompute"]``).
 default_partition = _partitioners.default_partition
 min_cut_rematerialization_partition = _partitioners.min_cut_rematerialization_partition
+
+
+def without_symbols(value: object, fallback: int = 4096) -> object:
+    """``value`` (a node's meta value: a fake tensor, a SymInt) with each symbolic size replaced by its
+    hint, adding no guard: counting FLOPs on a symbolic capture must not specialize its sizes (``int()``
+    of a SymInt guards, and the next batch size then re-captured). torch's partitioner does the same for
+    its runtime estimates (``_remove_symbols_without_guarding``); values without symbols come back as they are."""
+    from torch.fx.experimental import symbolic_shapes
+
+    if isinstance(value, torch.SymInt):
+        hint = getattr(symbolic_shapes, "optimization_hint", None)
+        return hint(value, fallback=fallback) if hint is not None else fallback
+    if isinstance(value, torch.Tensor) and symbolic_shapes.has_free_symbols(value):
+        remove = getattr(_partitioners, "_remove_symbols_without_guarding", None)
+        if remove is None:
+            raise NotImplementedError("this torch has no way to read a symbolic tensor's sizes without guarding")
+        return remove(value, fallback=fallback)
+    return value
 
 
 def activation_memory_budget(fraction: float):  # noqa: ANN201 - a context manager

@@ -30,6 +30,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from ortlab.config import BUDGET, describe_recompute, parse_budget, parse_recompute
 from ortlab._compat.torch import (
     OpOverload, activation_memory_budget, default_partition, forward_region, min_cut_rematerialization_partition,
+    without_symbols,
 )
 from ortlab.provenance import module_path, op_name, source_line
 from ortlab.sizes import value_bytes
@@ -390,15 +391,18 @@ def _node_flops(node: torch.fx.Node, memo: dict[str, int] | None = None) -> int:
         return memo[node.name]
     if node.op != "call_function" or node.target is operator.getitem or op_name(node) in _VIEW_OPS:
         return 0
-    val = node.meta.get("val")
-    elements = sum(v.numel() for v in (val if isinstance(val, (tuple, list)) else [val]) if isinstance(v, torch.Tensor))
     try:
-        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: a.meta.get("val"))
+        # sizes by their hints: a guard here would specialize a symbolic capture (Note in without_symbols)
+        val = node.meta.get("val")
+        elements = sum(without_symbols(v).numel() for v in (val if isinstance(val, (tuple, list)) else [val])
+                       if isinstance(v, torch.Tensor))
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: without_symbols(a.meta.get("val")))
         with FlopCounterMode(display=False) as mode:
             node.target(*args, **kwargs)
         counted = mode.get_total_flops()
-    except Exception:  # noqa: BLE001 - an op the counter cannot replay is counted by its outputs
+    except Exception:  # noqa: BLE001 - an op the counter cannot replay counts one per output element, or nothing
         counted = 0
+        elements = locals().get("elements", 0)
     flops = int(counted) or int(elements)
     if memo is not None:
         memo[node.name] = flops
