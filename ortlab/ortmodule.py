@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import statistics
 import threading
 import time
 import weakref
@@ -68,6 +69,7 @@ _OWN = (
     "_ortlab_observer",
     "_ortlab_watcher",
     "_ortlab_sinks",
+    "_ortlab_kernel_us",
     "_ortlab_device_of",
     "_ortlab_seen",
     "_ortlab_release",
@@ -318,6 +320,7 @@ class ORTModule(nn.Module):
         object.__setattr__(self, "_ortlab_observer", None)
         object.__setattr__(self, "_ortlab_watcher", None)
         object.__setattr__(self, "_ortlab_sinks", ())
+        object.__setattr__(self, "_ortlab_kernel_us", {})  # FX node -> measured kernel us (note_kernel_times)
         # See Note [Sharing the wrapped module's dicts].
         object.__setattr__(self, "_parameters", module._parameters)
         object.__setattr__(self, "_buffers", module._buffers)
@@ -338,6 +341,7 @@ class ORTModule(nn.Module):
         report = Report(hints=hints)
         backend = OrtlabBackend(self._ortlab_options, self._ortlab_debug, report, self._ortlab_observer,
                                 self._ortlab_sinks)
+        backend.kernel_us = self._ortlab_kernel_us  # what profiles measured outlives captures
         _add_recompile_budget()  # see Note [Each ORTModule's own recompile budget]
         compiled = backend.compile(self._ortlab_module, self._ortlab_options.dynamic)
         object.__setattr__(self, "_ortlab_report", report)
@@ -360,6 +364,34 @@ class ORTModule(nn.Module):
         """
         object.__setattr__(self, "_ortlab_options", self._ortlab_options.replace(**options))
         self._ortlab_reset()
+
+    def note_kernel_times(self, records: Any) -> int:
+        """Remember what this module's onnxruntime kernels took, from a profile's records
+        (``ortlab.inspect.profile.NodeTime``: a monitor's profile windows hand theirs over); a
+        ``("budget", ...)`` recompute plan then ranks its candidates by these times where it has them,
+        FLOPs elsewhere (Note [A memory budget] in ortlab.partition.recompute). Returns how many FX nodes
+        have a time. Later profiles replace earlier times of the same node.
+
+        Example:
+            >>> om.note_kernel_times(collect_profile(om, skip_runs=1))   # doctest: +SKIP
+            42
+        """
+        forward: dict[str, float] = {}
+        backward: dict[str, float] = {}
+        for r in records:
+            if not r.fx_node or r.count <= 0:
+                continue
+            us = statistics.median(r.per_run_us) if r.per_run_us else r.dur_us / r.count
+            times = forward if r.graph.endswith("forward") else backward
+            times[r.fx_node] = times.get(r.fx_node, 0.0) + us  # kernels onnxruntime added beside a node count too
+        # a recomputed op runs in the backward as well: its forward time is the one a plan without it knows
+        self._ortlab_kernel_us.update({**backward, **forward})
+        return len(self._ortlab_kernel_us)
+
+    @property
+    def kernel_times(self) -> dict[str, float]:
+        """Measured kernel microseconds per run by FX node (:meth:`note_kernel_times`); empty before a profile."""
+        return dict(self._ortlab_kernel_us)
 
     def set_observer(self, observer: GraphObserver | None) -> GraphObserver | None:
         """Report the calls of graphs compiled from now on to ``observer``; returns the previous one.
@@ -484,6 +516,7 @@ class ORTModule(nn.Module):
         self.__dict__.setdefault("_ortlab_observer", None)
         self.__dict__.setdefault("_ortlab_watcher", None)
         self.__dict__.setdefault("_ortlab_sinks", ())
+        self.__dict__.setdefault("_ortlab_kernel_us", {})
         self.__dict__["_ortlab_fresh"] = True
         configure_torch()
         self._ortlab_reset()

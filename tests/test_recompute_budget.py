@@ -98,3 +98,42 @@ def test_budget_values_and_their_errors(monkeypatch):
             ortlab.Options(recompute=bad)
     monkeypatch.setenv("ORTLAB_RECOMPUTE", "budget,0.5")
     assert ortlab.Options().recompute == ("budget", "0.5")
+
+
+def test_measured_kernel_times_refine_the_ranking():
+    """The cost is counted in FLOPs and refined by measured times where a profile has them: ops measured
+    far slower than their FLOPs say make the plan that recomputes them lose."""
+    from ortlab.inspect.profile import NodeTime
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=50, d_model=32, n_heads=2, n_layers=3, block_size=16))
+    batch = make_batch("gpt", 4, vocab=50, block_size=16)
+    om = ortlab.ORTModule(model, recompute=("budget", 0.75))
+    om(*batch).backward()
+    by_flops = om.report.captures[0].plan
+    assert "ranked by FLOPs (no kernel profile yet)" in by_flops.note and by_flops.recompute_us == 0
+    slow = {a.name for a in by_flops.recomputed}
+    forward = om.report.captures[0].graphs[0].graph_module.graph.nodes
+    records = [NodeTime(n.name, "K", 1e4 if n.name in slow else 1.0, 1, "g0.forward", fx_node=n.name,
+                        per_run_us=[1e4 if n.name in slow else 1.0]) for n in forward if n.op == "call_function"]
+    assert om.note_kernel_times(records) >= len(slow) and set(om.kernel_times) >= slow
+    om.reconfigure(recompute=("budget", 0.75))
+    om(*batch).backward()
+    by_time = om.report.captures[0].plan
+    assert "ranked by measured kernel times" in by_time.note and "us a step by measured kernel times" in by_time.cost
+    assert by_time.saved_bytes <= by_time.budget_bytes
+    assert len(slow & {a.name for a in by_time.recomputed}) < len(slow), (slow, by_time.table())
+
+
+def test_a_monitor_s_profile_window_hands_its_times_to_the_module():
+    from ortlab.models import TinyMLP
+
+    om = ortlab.ORTModule(TinyMLP())
+    mon = ortlab.monitor(om, every=1000, show=False, profile_steps=2)
+    mon.profile_now()
+    for _ in range(30):
+        om(torch.randn(4, 64)).sum().backward()
+        if mon.profiles:
+            break
+    mon.close()
+    assert mon.profiles and om.kernel_times and all(us >= 0 for us in om.kernel_times.values())

@@ -144,6 +144,8 @@ class RecomputePlan:
         recompute_flops: the predicted cost of the recomputation: FLOPs of the ops the backward
             recomputes (torch's flop counter; one per output element for the ops it does not count).
         forward_flops: FLOPs of the forward by the same count, to put ``recompute_flops`` in proportion.
+        recompute_us: the recomputation's predicted microseconds a step, where a profile measured the
+            module's kernels (``ORTModule.note_kernel_times``); 0 without one.
     """
 
     policy: str
@@ -155,6 +157,7 @@ class RecomputePlan:
     budget_bytes: int | None = None
     recompute_flops: int = 0
     forward_flops: int = 0
+    recompute_us: float = 0.0
 
     @property
     def cost(self) -> str:
@@ -162,7 +165,8 @@ class RecomputePlan:
         if not self.recompute_flops:
             return "recomputes nothing"
         share = f" ({self.recompute_flops / self.forward_flops:.1%} of the forward)" if self.forward_flops else ""
-        return f"recomputes {_flops(self.recompute_flops)}{share}"
+        timed = f", about {self.recompute_us:,.0f} us a step by measured kernel times" if self.recompute_us else ""
+        return f"recomputes {_flops(self.recompute_flops)}{share}{timed}"
 
     @property
     def recomputed(self) -> list[SavedActivation]:
@@ -416,6 +420,36 @@ def _recompute_flops(bw: torch.fx.GraphModule, forward_names: set[str], joint_no
                if n.op == "call_function" and n.name in forward_names and n.name in joint_nodes)
 
 
+class _Cost:
+    """What recomputing an op costs: its FLOPs, or, where a profile measured its kernel, that time in
+    FLOP-equivalents at the rate the measured ops ran (Note [A memory budget]).
+
+    ``measured`` maps FX node names to microseconds per run (``ORTModule.note_kernel_times``)."""
+
+    def __init__(self, forward: list[torch.fx.Node], measured: dict[str, float] | None) -> None:
+        self.memo: dict[str, int] = {}
+        self.measured = {n.name: measured[n.name] for n in forward if measured and n.name in measured}
+        flops = sum(_node_flops(n, self.memo) for n in forward if n.name in self.measured)
+        us = sum(self.measured.values())
+        self.rate = flops / us if us > 0 and flops > 0 else 0.0  # FLOPs per microsecond of the measured ops
+
+    def of(self, node: torch.fx.Node) -> float:
+        if self.rate and node.name in self.measured:
+            return self.measured[node.name] * self.rate
+        return float(_node_flops(node, self.memo))
+
+    def us(self, node: torch.fx.Node) -> float:
+        """Predicted microseconds: measured, or FLOPs at the measured rate."""
+        if node.name in self.measured:
+            return self.measured[node.name]
+        return _node_flops(node, self.memo) / self.rate if self.rate else 0.0
+
+    def recomputed(self, bw: torch.fx.GraphModule, forward_names: set[str],
+                   joint_nodes: dict[str, torch.fx.Node]) -> list[torch.fx.Node]:
+        return [joint_nodes[n.name] for n in bw.graph.nodes
+                if n.op == "call_function" and n.name in forward_names and n.name in joint_nodes]
+
+
 # Note [A memory budget]
 # recompute=("budget", 0.5) or ("budget", "300MB") asks for the least recomputation whose saved
 # activations fit: half the bytes the partition without recompute saves, or 300 MB. The cost is the
@@ -428,7 +462,10 @@ def _recompute_flops(bw: torch.fx.GraphModule, forward_names: set[str], joint_no
 # * checkpointing the first k repeated layers (layerwise on blocks.0 .. blocks.k-1), k bisected: it reaches
 #   far below the knapsack (on a 3-layer GPT the knapsack stops at 74% of the bytes; layers go to ~20%).
 # * recomputing every forward op that can be: the smallest reachable.
-# The fitting candidate with the fewest recomputed FLOPs wins; if none fits, the smallest is used and the
+# The fitting candidate with the least recompute cost wins: FLOPs, refined by measured times where a profile
+# measured the ops' kernels (``ORTModule.note_kernel_times``, which the monitor's profile windows call): a
+# measured op costs its microseconds at the rate the measured ops ran, so an op slower than its FLOPs say
+# (a Gather, a Softmax on a 2-core CPU) weighs what it takes. If none fits, the smallest is used and the
 # note gives its bytes. Random ops (dropout) are never recomputed: torch's knapsack (and a recomputed
 # getitem of native_dropout) would redraw them (gradients off by 0.14 on a GPT with dropout 0.1), so they are tagged
 # MUST_SAVE first, and a candidate whose backward still holds a random op is left out. The min-cut
@@ -437,6 +474,7 @@ def _recompute_flops(bw: torch.fx.GraphModule, forward_names: set[str], joint_no
 # equal no recompute's (bitwise on a 3-layer GPT, or within 6e-9 where onnxruntime fuses differently).
 def _fit_budget(joint: torch.fx.GraphModule, joint_inputs: Sequence[object], num_fwd_outputs: int, value: object,
                 base: tuple[torch.fx.GraphModule, torch.fx.GraphModule], kwargs: dict,
+                measured: dict[str, float] | None = None,
                 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, str, int, dict[str, str]]:
     none = _fw_saved_bytes(base[0], num_fwd_outputs)
     kind, amount = parse_budget(value)
@@ -456,9 +494,9 @@ def _fit_budget(joint: torch.fx.GraphModule, joint_inputs: Sequence[object], num
                 out.meta["recompute"] = CheckpointPolicy.MUST_SAVE
                 random.add(out)
     tags = _tags(joint)
-    memo: dict[str, int] = {}
-    # name -> (bytes, flops, fw, bw, reasons)
-    tried: dict[str, tuple[int, int, torch.fx.GraphModule, torch.fx.GraphModule, dict[str, str]]] = {}
+    cost = _Cost(forward, measured)
+    # name -> (bytes, cost, fw, bw, reasons)
+    tried: dict[str, tuple[int, float, torch.fx.GraphModule, torch.fx.GraphModule, dict[str, str]]] = {}
 
     def keep(name: str, fw: torch.fx.GraphModule, bw: torch.fx.GraphModule, reasons: dict[str, str]) -> int:
         _restore(tags)
@@ -467,8 +505,8 @@ def _fit_budget(joint: torch.fx.GraphModule, joint_inputs: Sequence[object], num
             logger.debug("budget candidate %s left out: it recomputes a random op", name)
             return none + 1
         nbytes = _fw_saved_bytes(fw, num_fwd_outputs)
-        tried[name] = (nbytes, _recompute_flops(bw, forward_names, joint_nodes, memo), fw, bw, reasons)
-        logger.debug("budget candidate %s: %d bytes, %d FLOPs recomputed", name, nbytes, tried[name][1])
+        tried[name] = (nbytes, sum(cost.of(n) for n in cost.recomputed(bw, forward_names, joint_nodes)), fw, bw, reasons)
+        logger.debug("budget candidate %s: %d bytes, cost %.0f", name, nbytes, tried[name][1])
         return nbytes
 
     def knapsack(fraction: float) -> int:
@@ -516,8 +554,10 @@ def _fit_budget(joint: torch.fx.GraphModule, joint_inputs: Sequence[object], num
     fits = [t for t in tried.values() if t[0] <= target]
     if fits:
         nbytes, _, fw, bw, reasons = min(fits, key=lambda t: (t[1], t[0]))
+        how = (f"; ranked by measured kernel times ({len(cost.measured)} ops measured), FLOPs for the rest"
+               if cost.rate else "; ranked by FLOPs (no kernel profile yet)")
         return fw, bw, (f"budget {target:,} bytes: saves {nbytes:,} of {none:,} bytes "
-                        f"({nbytes / none:.0%} of the partition without recompute)"), target, reasons
+                        f"({nbytes / none:.0%} of the partition without recompute){how}"), target, reasons
     nbytes, _, fw, bw, reasons = min(tried.values(), key=lambda t: (t[0], t[1]))
     note = (f"the budget ({target:,} bytes) cannot be met: the smallest reachable is {nbytes:,} bytes "
             f"({nbytes / none:.0%} of the {none:,} saved without recompute), used instead")
@@ -546,9 +586,13 @@ def partition_joint(
     joint_inputs: Sequence[object],
     num_fwd_outputs: int,
     policy: str | Sequence[str],
+    measured: dict[str, float] | None = None,
     **kwargs: object,
 ) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule, RecomputePlan]:
     """Split ``joint`` into forward and backward graphs under a recompute policy.
+
+    ``measured``: microseconds per run of FX nodes' kernels, from a profile; a budget ranks its plans by
+    them where known (Note [A memory budget]).
 
     Returns the forward graph, the backward graph and the plan describing what is
     saved and recomputed.
@@ -585,7 +629,7 @@ def partition_joint(
                 _tag_selected(joint, num_fwd_outputs, added, prefix="added by")
                 _save_recompute_inputs(joint)
             fw, bw, note, budget_bytes, reasons = _fit_budget(joint, joint_inputs, num_fwd_outputs, list(policy)[1],
-                                                     (base_fw, base_bw), kwargs)
+                                                              (base_fw, base_bw), kwargs, measured)
         else:
             fw, bw = split()
         if added and preset != BUDGET:
@@ -626,8 +670,13 @@ def partition_joint(
     saved_bytes = _fw_saved_bytes(fw, num_fwd_outputs)
     # FLOPs only where something may be recomputed: the counter replays every forward op (~1 s on large graphs)
     forward = [] if fw is base_fw else _forward_nodes(joint, num_fwd_outputs)
+    predicted_us = 0.0
+    if forward and measured:
+        cost = _Cost(forward, measured)
+        predicted_us = sum(cost.us(n) for n in cost.recomputed(bw, {n.name for n in forward}, nodes))
     plan = RecomputePlan(
         budget_bytes=budget_bytes,
+        recompute_us=predicted_us,
         recompute_flops=_recompute_flops(bw, {n.name for n in forward}, nodes) if forward else 0,
         forward_flops=sum(_node_flops(n) for n in forward),
         policy=describe_recompute(policy),

@@ -144,6 +144,7 @@ class OrtlabBackend:
     def __init__(self, options: Options, debug: DebugOptions, report: Report, observer: GraphObserver | None = None,
                  sinks: Sequence[StageSink] = (), purpose: str = "") -> None:
         self.options = options
+        self.kernel_us: dict[str, float] = {}  # FX node -> kernel microseconds per run (ORTModule.note_kernel_times)
         self.purpose = purpose
         self.debug = debug
         self.report = report
@@ -342,7 +343,8 @@ class OrtlabBackend:
                 stages.emit(StageArtifact("joint", index, "train", content=joint, seconds=time.perf_counter() - start))
             split_start = time.perf_counter()
             num_fwd_outputs = kwargs.pop("num_fwd_outputs")
-            fw, bw, plan = partition_joint(joint, joint_inputs, num_fwd_outputs, self.options.recompute, **kwargs)
+            fw, bw, plan = partition_joint(joint, joint_inputs, num_fwd_outputs, self.options.recompute,
+                                           measured=self.kernel_us or None, **kwargs)
             capture.plan = plan
             split_s.append(time.perf_counter() - split_start)
             return fw, bw
