@@ -395,6 +395,7 @@ def _node_flops(node: torch.fx.Node, memo: dict[str, int] | None = None) -> int:
         return memo[node.name]
     if node.op != "call_function" or node.target is operator.getitem or op_name(node) in _VIEW_OPS:
         return 0
+    elements, counted = 0, 0
     try:
         # sizes by their hints: a guard here would specialize a symbolic capture (Note in without_symbols)
         val = node.meta.get("val")
@@ -405,19 +406,18 @@ def _node_flops(node: torch.fx.Node, memo: dict[str, int] | None = None) -> int:
             node.target(*args, **kwargs)
         counted = mode.get_total_flops()
     except Exception:  # noqa: BLE001 - an op the counter cannot replay counts one per output element, or nothing
-        counted = 0
-        elements = locals().get("elements", 0)
+        pass
     flops = int(counted) or int(elements)
     if memo is not None:
         memo[node.name] = flops
     return flops
 
 
-def _recompute_flops(bw: torch.fx.GraphModule, forward_names: set[str], joint_nodes: dict[str, torch.fx.Node],
-                     memo: dict[str, int] | None = None) -> int:
-    """FLOPs of the forward ops a backward graph recomputes (the partitioners copy them under their names)."""
-    return sum(_node_flops(joint_nodes[n.name], memo) for n in bw.graph.nodes
-               if n.op == "call_function" and n.name in forward_names and n.name in joint_nodes)
+def _recomputed(bw: torch.fx.GraphModule, forward_names: set[str],
+                joint_nodes: dict[str, torch.fx.Node]) -> list[torch.fx.Node]:
+    """The forward ops a backward graph recomputes (the partitioners copy them under their names)."""
+    return [joint_nodes[n.name] for n in bw.graph.nodes
+            if n.op == "call_function" and n.name in forward_names and n.name in joint_nodes]
 
 
 class _Cost:
@@ -443,11 +443,6 @@ class _Cost:
         if node.name in self.measured:
             return self.measured[node.name]
         return _node_flops(node, self.memo) / self.rate if self.rate else 0.0
-
-    def recomputed(self, bw: torch.fx.GraphModule, forward_names: set[str],
-                   joint_nodes: dict[str, torch.fx.Node]) -> list[torch.fx.Node]:
-        return [joint_nodes[n.name] for n in bw.graph.nodes
-                if n.op == "call_function" and n.name in forward_names and n.name in joint_nodes]
 
 
 # Note [A memory budget]
@@ -505,7 +500,7 @@ def _fit_budget(joint: torch.fx.GraphModule, joint_inputs: Sequence[object], num
             logger.debug("budget candidate %s left out: it recomputes a random op", name)
             return none + 1
         nbytes = _fw_saved_bytes(fw, num_fwd_outputs)
-        tried[name] = (nbytes, sum(cost.of(n) for n in cost.recomputed(bw, forward_names, joint_nodes)), fw, bw, reasons)
+        tried[name] = (nbytes, sum(cost.of(n) for n in _recomputed(bw, forward_names, joint_nodes)), fw, bw, reasons)
         logger.debug("budget candidate %s: %d bytes, cost %.0f", name, nbytes, tried[name][1])
         return nbytes
 
@@ -670,15 +665,13 @@ def partition_joint(
     saved_bytes = _fw_saved_bytes(fw, num_fwd_outputs)
     # FLOPs only where something may be recomputed: the counter replays every forward op (~1 s on large graphs)
     forward = [] if fw is base_fw else _forward_nodes(joint, num_fwd_outputs)
-    predicted_us = 0.0
-    if forward and measured:
-        cost = _Cost(forward, measured)
-        predicted_us = sum(cost.us(n) for n in cost.recomputed(bw, {n.name for n in forward}, nodes))
+    cost = _Cost(forward, measured)
+    rebuilt = _recomputed(bw, {n.name for n in forward}, nodes) if forward else []
     plan = RecomputePlan(
         budget_bytes=budget_bytes,
-        recompute_us=predicted_us,
-        recompute_flops=_recompute_flops(bw, {n.name for n in forward}, nodes) if forward else 0,
-        forward_flops=sum(_node_flops(n) for n in forward),
+        recompute_us=sum(cost.us(n) for n in rebuilt) if cost.rate else 0.0,
+        recompute_flops=sum(_node_flops(n, cost.memo) for n in rebuilt),
+        forward_flops=sum(_node_flops(n, cost.memo) for n in forward),
         policy=describe_recompute(policy),
         note=note,
         rejected=rejected,

@@ -120,10 +120,3 @@ def attach(box: Any, snapshot: Snapshot) -> Any:
     box.ortlab_snapshot = snapshot
     return box
 
-
-def table_html(header: list[str], rows: list[list[str]]) -> str:
-    """A plain HTML table (cells already HTML)."""
-    head = "".join(f"<th style='text-align:left;padding:1px 8px'>{html.escape(h)}</th>" for h in header)
-    body = "".join("<tr>" + "".join(f"<td style='padding:1px 8px'>{c}</td>" for c in r) + "</tr>" for r in rows)
-    return (f"<div style='max-height:360px;overflow:auto'><table style='font-size:12px;border-collapse:collapse'>"
-            f"<tr>{head}</tr>{body}</table></div>")

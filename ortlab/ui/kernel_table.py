@@ -48,10 +48,12 @@ class KernelTable:
     """
 
     def __init__(self, rows: list[tuple[NodeTime, str | None]], steps: int, linker: Linker | None,
-                 height: int = 0, hint: str = "", empty: str = "", windows: int = 1) -> None:
+                 height: int = 0, hint: str = "", empty: str = "", windows: int = 1,
+                 total_us: float | None = None) -> None:
         self.rows, self.steps, self._linker, self.height, self._hint = rows, max(1, steps), linker, height, hint
         self.windows = windows
-        self.total_us = sum(r.dur_us for r, _ in rows)  # all kernels' time (set by kernel_table: not only these rows)
+        # all kernels' time in the profiled steps, not only these rows' (shares are of it)
+        self.total_us = sum(r.dur_us for r, _ in rows) if total_us is None else total_us
         # Why there is no row yet, and when there will be (the monitor's kernel note), for an empty table.
         self.empty = empty or "no kernel profile yet: mon.profile_now(), then train a few steps"
 
@@ -138,8 +140,5 @@ def kernel_table(source: Any, graphs: Any = None, top: int = 15, height: int = H
     else:
         linker = None
     if linker is None or not linker.active:
-        made = KernelTable([(r, None) for r in rows], steps, linker, 0, hint, empty, windows)
-    else:
-        made = KernelTable([(r, linker.kernel(r)) for r in rows], steps, linker, height, hint, empty, windows)
-    made.total_us = total
-    return made
+        return KernelTable([(r, None) for r in rows], steps, linker, 0, hint, empty, windows, total)
+    return KernelTable([(r, linker.kernel(r)) for r in rows], steps, linker, height, hint, empty, windows, total)

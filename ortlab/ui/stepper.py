@@ -231,8 +231,10 @@ class StepperWidget:
     def __init__(self, lab: Lab) -> None:
         import ipywidgets as w
 
+        from ortlab.ui._snapshot import Snapshot
+
         self.lab = lab
-        self.snapshot: Any = None  # the saved copy for a reopened notebook (ortlab.ui._snapshot), once shown
+        self.snapshot = Snapshot("the stepper", render=self.snapshot_html)  # for a reopened notebook
         self.stage = w.Dropdown(options=self._options(), description="stage")
         self.graph = w.Dropdown(options=[], description="graph")
         self.next_button = w.Button(description="Run next", icon="step-forward", button_style="primary")
@@ -298,8 +300,12 @@ class StepperWidget:
         self.graph.options = graphs
         self.graph.value = graphs[0] if graphs else None  # ipywidgets leaves it unselected (blank) otherwise
         self.view_button.disabled = not stage.artifacts
-        if self.snapshot is not None:  # the saved copy follows the stage shown (ortlab.ui._snapshot)
-            self.snapshot.refresh()
+        self.snapshot.refresh()  # the saved copy follows the stage shown (ortlab.ui._snapshot)
+
+    def snapshot_html(self) -> str:
+        """Every stage, and the one shown, as plain HTML (what a reopened notebook shows)."""
+        shown = self.lab[self.stage.value] if self.stage.value else None
+        return lab_html(self.lab) + (stage_html(shown) if shown is not None and shown.status != "pending" else "")
 
     def _view(self) -> None:
         stage = self.lab[self.stage.value]
@@ -317,15 +323,9 @@ def stepper(lab: Lab) -> Any:
     Example:
         >>> stepper(ortlab.explore(model, x))        # doctest: +SKIP
     """
-    from ortlab.ui._snapshot import Snapshot, attach
+    from ortlab.ui._snapshot import attach
 
     stepper = StepperWidget(lab)
-    stepper.snapshot = Snapshot("the stepper", render=lambda: state())
-
-    def state() -> str:  # every stage and the one shown (what a reopened notebook shows)
-        shown = stepper.lab[stepper.stage.value] if stepper.stage.value else None
-        return lab_html(lab) + (stage_html(shown) if shown is not None and shown.status != "pending" else "")
-
     return attach(stepper.widget, stepper.snapshot)
 
 

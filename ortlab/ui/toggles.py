@@ -37,7 +37,7 @@ from ortlab.partition.recompute import RecomputePlan
 from ortlab.placement import selector_matches
 from ortlab.provenance import module_path, op_name
 from ortlab.stages import label
-from ortlab.ui._html import esc, fmt_bytes
+from ortlab.ui._html import esc, fmt_bytes, table
 from ortlab.ui._links import Linker
 from ortlab.ui.netron_view import HEIGHT
 
@@ -481,7 +481,6 @@ class RecomputeToggles:
         """The toggles' state as plain HTML: the policy, each saved activation, the last Apply and
         the measured trade-off (what a reopened notebook shows, ``ortlab.ui._snapshot``)."""
         from ortlab.ui import tradeoff
-        from ortlab.ui._snapshot import table_html
 
         parts = [self._summary()]
         if self.history:
@@ -489,10 +488,10 @@ class RecomputeToggles:
         rows = [[esc(a.label), f"<code>{esc(a.name)}</code>", f"<code>{esc(a.op)}</code>",
                  esc("x".join(map(str, a.shape)) or "scalar"), fmt_bytes(a.bytes), "yes" if a.recomputed else "no"]
                 for a in self.plan.activations]
-        parts.append(table_html(["activation", "FX node", "op", "shape", "bytes", "recomputed"], rows))
+        parts.append(table(["activation", "FX node", "op", "shape", "bytes", "recomputed"], rows, limit=40))
         if self.points:
             best = tradeoff.best_points(self.points)
-            parts.append("<b>trade-off</b> (step time: median, min-max)" + table_html(
+            parts.append("<b>trade-off</b> (step time: median, min-max)" + table(
                 ["policy", "saved bytes", "step time", "cost", "best on both axes"],
                 [[esc(p.label), f"{p.saved_bytes:,}", esc(p.timing), esc(p.cost), "yes" if p in best else ""]
                  for p in self.points]))
@@ -676,14 +675,12 @@ class FallbackToggles:
 
     def snapshot_html(self) -> str:
         """The ops, where each runs and why, and the last Apply, as plain HTML (``ortlab.ui._snapshot``)."""
-        from ortlab.ui._snapshot import table_html
-
         parts = [f"fallback_ops = <code>{esc(repr(list(self.run.om.options.fallback_ops)))}</code>"]
         if self.history:
             parts.append(f"last Apply: {esc(self.history[-1])}")
-        parts.append(table_html(["op", "count", "module", "runs in", "why"], [
+        parts.append(table(["op", "count", "module", "runs in", "why"], [
             [f"<code>{esc(r.op)}</code>", f"x{r.count}", esc(r.module or "<root>"), r.where, esc(r.reason)]
-            for r in self.rows()]))
+            for r in self.rows()], limit=40))
         return "<br>".join(parts)
 
     def _ipython_display_(self) -> None:
