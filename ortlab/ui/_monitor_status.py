@@ -53,7 +53,7 @@ def waiting_line(started: int) -> str:
             "(the first step takes seconds to minutes)")
 
 
-def status_line(log: StepLog, n: int, fraction: float, kernels: str) -> str:
+def status_line(log: StepLog, n: int, fraction: float, kernels: str, rationed: str | None = None) -> str:
     """One line: steps done, step time, samples/s, loss, the first step, the overhead, the kernels.
 
     Args:
@@ -61,6 +61,7 @@ def status_line(log: StepLog, n: int, fraction: float, kernels: str) -> str:
         n: steps done (the count shown).
         fraction: the monitor's share of training time.
         kernels: what the kernel panels show or wait for (:func:`kernel_note`).
+        rationed: why the view redraws less often than asked, or None.
     """
     if n == 0:
         return waiting_line(len(log.start))
@@ -81,6 +82,8 @@ def status_line(log: StepLog, n: int, fraction: float, kernels: str) -> str:
     if first is not None:
         parts.append(f"first step (capture + export) {first:.1f} s")
     parts.append(f"monitor {fraction:.1%} of training time")
+    if rationed:
+        parts.append(rationed)
     parts.append(kernels)
     return " | ".join(parts)
 

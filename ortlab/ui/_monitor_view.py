@@ -85,9 +85,9 @@ class MonitorView:
         self._drawn = self._steps()
         s, status, kernels = self._series(), self._status(), self._kernels()
         if self.figure_widget is not None:
-            plots.update_traces(self.figure_widget, s, "", kernels)
-            if self.status_widget is not None:
+            if self.status_widget is not None:  # first: the front end renders it before the slower figure
                 self.status_widget.value = _status_html(status)
+            plots.update_traces(self.figure_widget, s, "", kernels)
         if self._handles:
             plots.update_traces(self._static_figure, s, status, kernels)
             shown = plots.bundle(self._static_figure, status)

@@ -39,7 +39,7 @@ from ortlab.errors import ConfigError, OrtlabError
 from ortlab.inspect.profile_window import collect_profile
 from ortlab.ui import _monitor_figure as plots
 from ortlab.ui._monitor_data import FORMAT, MAX_FILE_BYTES, StepLog, scalar
-from ortlab.ui._monitor_schedule import Schedule
+from ortlab.ui._monitor_schedule import MAX_GAP, Schedule
 from ortlab.ui._monitor_status import StageProgress, kernel_note, providers_note, status_line, waiting_line
 from ortlab.ui._monitor_view import MonitorView
 from ortlab.ui._monitor_watch import StepWatcher
@@ -456,7 +456,12 @@ class Monitor:
             return self._progress.text
         if n == 0:
             return waiting_line(len(self._log.start))
-        return status_line(self._log, n, self.overhead["fraction"], self._kernel_note())
+        schedule = self._schedule
+        rationed = None
+        if schedule.rationed and schedule.budget is not None:
+            rationed = (f"redrawn every {MAX_GAP * schedule.redraw_s:g} s, not {schedule.redraw_s:g} s: drawing "
+                        f"(with the front end's rendering) is over its share of budget={schedule.budget:g}")
+        return status_line(self._log, n, self.overhead["fraction"], self._kernel_note(), rationed)
 
     def kernel_note(self) -> str:
         """What the kernel panels show, or when they will fill, or why they will not (``kernels: ...``)."""
