@@ -49,6 +49,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "explore": ("ortlab.inspect.explore", "explore"),
     "compare": ("ortlab.inspect.compare", "compare"),
+    "compare_speed": ("ortlab.inspect.speed", "compare_speed"),
     "bisect_fallbacks": ("ortlab.inspect.bisect", "bisect_fallbacks"),
     "monitor": ("ortlab.ui.monitor", "monitor"),
     "Lab": ("ortlab.inspect.lab", "Lab"),
@@ -93,6 +94,7 @@ __all__ = [
     "InternalError",
     "explore",
     "compare",
+    "compare_speed",
     "bisect_fallbacks",
     "monitor",
     "Lab",

@@ -685,6 +685,35 @@ def test_monitor_never_stands_still_for_long_under_its_budget(lab, browser):
     assert len(changes) >= 4, changes
 
 
+# compare_speed in a notebook: its chart, and a table whose rows open their slowest onnxruntime node.
+_SPEED_NOTEBOOK = [
+    """import torch, ortlab
+from ortlab.models import GPT, GPTConfig, make_batch
+torch.manual_seed(0)
+config = GPTConfig(vocab=100, d_model=32, n_heads=2, n_layers=1, block_size=16)
+idx, targets = make_batch("gpt", 2, vocab=config.vocab, block_size=config.block_size)
+ortlab.compare_speed(GPT(config), idx, targets, steps=4, profile_steps=2)""",
+]
+
+
+def test_compare_speed_chart_and_table_open_netron(lab, browser):
+    (lab.root / "speed.ipynb").write_text(_notebook(_SPEED_NOTEBOOK))
+    page = browser.new_page(viewport={"width": 1400, "height": 1200})
+    _run_all(page, lab, "speed.ipynb", "eager / ortlab")
+    chart = page.locator(".js-plotly-plot").first
+    chart.wait_for(timeout=60_000)
+    chart.scroll_into_view_if_needed()
+    chart.screenshot(path=str(ARTIFACTS / "compare-speed-chart.png"))
+    bars = page.evaluate("() => document.querySelector('.js-plotly-plot').data[0].y.length")
+    assert bars >= 3, bars
+    row, sidebar = _open_from_table(page, "compare_speed:", "", "compare-speed-netron.png")
+    # netron selected the row's slowest node, made by the row's module at the row's line
+    assert sidebar.get("name") == row["node"], (row, sidebar)
+    assert sidebar.get("ortlab.module") == row["module"], (row, sidebar)
+    assert sidebar.get("ortlab.source", "").endswith(row["source"].split(":", 1)[1]), (row, sidebar)
+    page.screenshot(path=str(ARTIFACTS / "compare-speed.png"), full_page=True)
+
+
 # ----------------------------------------------------------------------- netron frames in a notebook
 # A tiny ONNX graph between tall outputs: the notebook scrolls past its view (or does not).
 _FRAME_NOTEBOOK = [

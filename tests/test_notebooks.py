@@ -80,9 +80,15 @@ def test_performance():
     assert re.search(r"steps recorded: (39|40)", text)
     assert re.search(r"step [\d.]+ ms: onnxruntime kernels [\d.]+ ms \(\d+%\)", text)  # the timeline
     assert "trace: " in text and "onnxruntime g0.forward" in json.dumps(nb)  # its figure's lanes
-    kernels = html_of(nb).split("Slowest onnxruntime kernels")[1]
+    kernels = html_of(nb).split("Slowest onnxruntime kernels")[1].split("compare_speed:")[0]
     assert kernels.count("title='open in netron'") == 10 and "<iframe" in kernels
     assert re.search(r"\d+ ops; \d+ op groups in PyTorch", text)
+    # compare_speed: the verdict by the noise rule, the row losing most, its chart and its linked table
+    assert re.search(r"eager [\d.]+ ms \(.*\) -> ortlab [\d.]+ ms \(.*\): (within noise|[\d.]+x (faster|slower))", text)
+    assert re.search(r"most time lost: \S+", text)
+    speed = html_of(nb).split("compare_speed:")[-1]
+    assert "title='open in netron'" in speed and "<iframe" in speed and "eager / ortlab" in speed
+    assert "Where ortlab loses (right) or gains (left) time a step" in json.dumps(nb)
 
 
 def test_divergence():

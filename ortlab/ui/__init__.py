@@ -9,7 +9,7 @@ Example:
     >>> mon = monitor(om, every=10)            # doctest: +SKIP
 """
 
-from ortlab.ui import compare_view, netron_view, stepper  # noqa: F401  (they register their views)
+from ortlab.ui import compare_view, netron_view, speed_view, stepper  # noqa: F401  (they register their views)
 from ortlab.ui.monitor import Monitor, monitor
 
 __all__ = ["Monitor", "monitor"]

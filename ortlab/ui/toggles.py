@@ -17,9 +17,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import logging
-import math
 import re
-import statistics
 import time
 import weakref
 from collections import Counter
@@ -32,6 +30,7 @@ from ortlab._compat.torch import OpOverload
 from ortlab.config import BUDGET, RECOMPUTE_PRESETS, describe_recompute, parse_budget, parse_recompute
 from ortlab.errors import CaptureError, ConfigError, UnsupportedInputError
 from ortlab.inspect.loss import default_loss
+from ortlab.inspect.timing import Timing, compare_timings
 from ortlab.ortmodule import ORTModule
 from ortlab.partition.recompute import RecomputePlan
 from ortlab.placement import selector_matches
@@ -88,51 +87,6 @@ def _linker(om: ORTModule) -> Linker:
     from ortlab.ui._module_graphs import module_linker
 
     return module_linker(om)
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    """Step times of one configuration: median, and the spread (min to max) of the steps measured.
-
-    Steps after a re-capture only: the capture step is warm-up and never counted.
-    """
-
-    samples: tuple[float, ...]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.samples)
-
-    @property
-    def low(self) -> float:
-        return min(self.samples)
-
-    @property
-    def high(self) -> float:
-        return max(self.samples)
-
-    def __str__(self) -> str:
-        return f"{1000 * self.median:.1f} ms ({1000 * self.low:.1f}-{1000 * self.high:.1f}, {len(self.samples)} steps)"
-
-
-def compare_timings(before: Timing, after: Timing) -> str:
-    """``before -> after`` with the ratio, or "within noise" when the spreads overlap.
-
-    Note [Noisy timings are not findings]: a single step on a shared 2-core machine varies by
-    tens of percent ("0.72x", "2.26x slower" were single readings). Each side is the median of
-    several steps with its spread, and a difference the spreads cover is called noise.
-    """
-    ratio = after.median / before.median if before.median else float("nan")
-    overlap = after.low <= before.high and before.low <= after.high
-    if overlap or not math.isfinite(ratio):
-        verdict = "within noise (the two ranges of step times overlap)"
-    elif ratio < 1:  # the claim is the medians' ratio, and what the spreads support at the least
-        verdict = (f"{1 / ratio:.2f}x faster by the medians, at least {before.low / after.high:.2f}x "
-                   "(the fastest step before against the slowest after)")
-    else:
-        verdict = (f"{ratio:.2f}x slower by the medians, at least {after.low / before.high:.2f}x "
-                   "(the slowest step before against the fastest after)")
-    return f"step {before} -> {after}: {verdict}"
 
 
 @dataclasses.dataclass
