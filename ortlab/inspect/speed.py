@@ -29,6 +29,14 @@ timed calls and lands in ``other``, which comes from the timed steps anyway.
 On CUDA each timed call synchronizes the device (the call's kernels then count, not their
 launch), which serializes the profiled steps; their totals are reported as overhead.
 
+Note [Eager beside onnxruntime]
+Both sides run in one process, in turns, so both see the same machine; but eager PyTorch can
+run slower once onnxruntime's sessions exist (their memory arenas, thread pools and the
+OpenMP settings ortlab makes; measured: a ResNet-18 step 147 ms in a process of its own,
+169 ms in turns with ortlab). So eager is also timed before the ORTModule is built; when its
+steps beside onnxruntime fall outside that spread, a note gives both and the ratio against
+eager before. Ratios to quote come from separate processes (``benchmarks/train_step.py``).
+
 Note [The ortlab side's rows]
 Each profiled ortlab step is recorded as a :class:`~ortlab.inspect.timeline.Timeline`
 (``TimelineRecorder``: profiling twins of the sessions warm up for a step, then
@@ -149,7 +157,9 @@ class SpeedComparison:
         rows: the (module, source line) rows, the optimizer and the rest, most time lost first.
         steps, profile_steps: timed and profiled steps per side.
         profiled: seconds per profiled step on each side (``{"eager": Timing, "ortlab": Timing}``).
-        notes: what a reader should know (fallbacks, rows joined by module only, clamped remainders).
+        notes: what a reader should know (eager slower beside onnxruntime, fallbacks, clamped remainders).
+        eager_alone: seconds per eager step timed before ortlab's sessions existed (Note [Eager beside
+            onnxruntime]).
     """
 
     eager: Timing
@@ -160,6 +170,7 @@ class SpeedComparison:
     profiled: dict[str, Timing]
     notes: list[str] = dataclasses.field(default_factory=list)
     ortmodule: Any = dataclasses.field(default=None, repr=False)
+    eager_alone: Timing | None = None
 
     @property
     def speedup(self) -> float:
@@ -499,10 +510,11 @@ def compare_speed(
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         eager = _Side(copy.deepcopy(model), optimizer, inputs, forward_kwargs, loss_fn, sync)
-        om = ORTModule(copy.deepcopy(model), **options)
-        ort = _Side(om, optimizer, inputs, forward_kwargs, loss_fn, sync)
         for _ in range(warmup):
             eager.step()
+        alone = [eager.step() for _ in range(steps)]  # before any session exists (Note [Eager beside onnxruntime])
+        om = ORTModule(copy.deepcopy(model), **options)
+        ort = _Side(om, optimizer, inputs, forward_kwargs, loss_fn, sync)
         ort.step()  # captures and compiles
         for _ in range(warmup):
             ort.step()
@@ -515,6 +527,14 @@ def compare_speed(
     notes = _fallback_notes(om)
     result = _combine(timed, eager_rows, ort_rows, steps, profile_steps, notes)
     result.ortmodule = om
+    result.eager_alone = Timing(tuple(alone))
+    if not overlap(result.eager_alone, result.eager):
+        change = result.eager.median / result.eager_alone.median - 1
+        result.notes.insert(0, (
+            f"eager PyTorch ran {abs(change):.0%} {'slower' if change > 0 else 'faster'} beside onnxruntime's sessions "
+            f"than before they existed ({result.eager_alone} before, {result.eager} beside): the verdict compares the "
+            f"steps as they ran, in turns; against eager before, ortlab is {result.eager_alone.median / result.ortlab.median:.2f}x."
+            " Quote speed ratios from separate processes (benchmarks/train_step.py)"))
     return result
 
 

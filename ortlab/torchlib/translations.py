@@ -41,7 +41,7 @@ import onnx_ir as ir
 import torch
 from onnxscript import opset18 as op
 
-__all__ = ["register", "is_single_index_accumulate", "scalar_tensor"]
+__all__ = ["register", "is_single_index_accumulate", "scalar_tensor", "slice_tensor"]
 
 
 def is_single_index_accumulate(node: torch.fx.Node) -> bool:
@@ -216,6 +216,29 @@ def batch_norm_no_training(input, weight=None, bias=None, running_mean=None, run
     return norm, empty, op.Identity(empty)
 
 
+# Note [Constant slices as one node]
+# torchlib's ``aten_slice`` casts and reshapes each bound (4 Casts, 4 Reshapes and their Constants per
+# slice) and leaves the folding to the optimizer: ResNet-18's weight gradients hold ~150 slices, whose
+# translation and folding took ~1.5 s of its 13 s first step. Bounds known when the graph is traced
+# (Python ints, as every static slice's are) go straight into one Slice with constant inputs; ONNX
+# Slice normalizes negative bounds and clamps ends past the size as ``aten.slice`` does. Symbolic
+# bounds (a dynamic size) keep torchlib's form.
+_INT64_MAX = 2**63 - 1
+
+
+def slice_tensor(self, dim: int = 0, start=None, end=None, step=None):  # noqa: ANN001, ANN201
+    """``aten.slice.Tensor`` with constant bounds as one ``Slice`` (Note [Constant slices as one node])."""
+    bounds = (dim, start, end, step)
+    if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in bounds):
+        from onnxscript.function_libs.torch_lib.ops.core import aten_slice
+
+        return getattr(aten_slice, "func", aten_slice)(self, dim, start, end, step)
+    start = 0 if start is None else start
+    end = _INT64_MAX if end is None else min(end, _INT64_MAX)
+    return op.Slice(self, op.Constant(value_ints=[start]), op.Constant(value_ints=[end]),
+                    op.Constant(value_ints=[dim]), op.Constant(value_ints=[1 if step is None else step]))
+
+
 def assert_async(self, assert_msg: str = ""):  # noqa: ANN001, ANN201
     """``torch._assert_async(cond, msg)`` computes nothing in the graph: the exporter makes its condition a guard
     output that the runner checks after each run (Note [Value guards] in ``ortlab.onnx.guards``)."""
@@ -226,6 +249,7 @@ def register(registry: object) -> None:
     """Add ortlab's translations to a torchlib registry (its custom ones win)."""
     aten = torch.ops.aten
     registry.register_op(aten.scalar_tensor.default, scalar_tensor)  # type: ignore[attr-defined]
+    registry.register_op(aten.slice.Tensor, slice_tensor)  # type: ignore[attr-defined]
     registry.register_op(aten._native_batch_norm_legit_no_training.default,  # type: ignore[attr-defined]
                          batch_norm_no_training)
     for target in (aten._assert_async.msg, aten._assert_async.default):
