@@ -37,6 +37,9 @@ PROVENANCE_KEYS = ("ortlab.fx_node", "ortlab.op", "ortlab.module", "ortlab.sourc
 INPUT_KEY = "ortlab.input"
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+# The root module in Dynamo's sources: ``L['self']``, or ``L['args'][0]`` with an attribute after it (the module
+# passed to a decorator's ``wrapper(*args)``; an input ``L['args'][0]`` is a tensor, read without attributes).
+_ROOT = re.compile(r"^L\['args'\]\[0\](?=\.)\.?|^L\['[^']*'\]\.?")
 
 
 def module_path(node: torch.fx.Node) -> str:
@@ -45,8 +48,9 @@ def module_path(node: torch.fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    # Dynamo names submodules like "L['self'].blocks[0].attn"; keep "blocks.0.attn".
-    path = re.sub(r"^L\['[^']*'\]\.?", "", str(path))
+    # Dynamo names submodules like "L['self'].blocks[0].attn"; keep "blocks.0.attn". A decorated forward
+    # (Hugging Face's ``@can_return_tuple``) is traced as ``wrapper(*args)``: the module is "L['args'][0]".
+    path = re.sub(_ROOT, "", str(path))
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']+)'\]", r".\1", path)
     return path.strip(".")
@@ -80,8 +84,11 @@ def source_name(source: str) -> str:
         'blocks.0.ln1.weight'
         >>> source_name("L['idx']")
         'idx'
+        >>> source_name("L['args'][0]._modules['model']._parameters['weight']")  # a decorated forward's module
+        'model.weight'
     """
-    name = re.sub(r"\._(?:modules|parameters|buffers)\[", "[", source)
+    name = re.sub(r"^L\['args'\]\[0\](?=\.)", "L['self']", source)  # a decorated forward's module (see _ROOT)
+    name = re.sub(r"\._(?:modules|parameters|buffers)\[", "[", name)
     name = re.sub(r"\[(\d+)\]", r".\1", name)
     name = re.sub(r"\['([^']+)'\]", r".\1", name)
     name = re.sub(r"^[LG]\.", "", name)

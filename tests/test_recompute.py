@@ -179,3 +179,38 @@ def test_a_preset_that_would_save_more_than_none_says_so_and_saves_as_none():
     assert "more than without recompute" in str(om.report)
     for a, b in zip(grads["auto"], grads["none"]):
         torch.testing.assert_close(a, b)
+
+
+def test_a_decorated_forward_names_modules_and_parameters_as_the_model_does():
+    """Hugging Face decorates forward (``@can_return_tuple``): Dynamo then traces ``wrapper(*args)`` and names the
+    module ``L['args'][0]``; paths and parameter names were "0.inner.0" and "args.0.inner.0.weight"."""
+    import functools
+
+    from torch import nn
+
+    from ortlab.provenance import node_provenance
+
+    def keeps_self(forward):
+        @functools.wraps(forward)
+        def wrapper(*args, **kwargs):
+            return forward(*args, **kwargs)
+        return wrapper
+
+    class Decorated(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+
+        @keeps_self
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x).sum()
+
+    om = ortlab.ORTModule(Decorated())
+    om(torch.randn(4, 8)).backward()
+    capture = om.report.captures[0]
+    modules = {a.module for a in capture.plan.activations}
+    assert modules and modules <= {"inner.0", "inner.1", "inner.2", ""}, modules
+    part = capture.graphs[0].parts[0]
+    inputs = {v["input"] for v in node_provenance(part.exported.model).values() if "input" in v}
+    # the parameters by their names; the input by the wrapper's (``args.1``: the forward's x)
+    assert "inner.0.weight" in inputs and not any(name.startswith("args.0.") for name in inputs), inputs
