@@ -265,7 +265,7 @@ def _ratio(r: float) -> str:
 
 
 def _top(names: Any, n: int = 6) -> list[str]:
-    """Names by how often they come first, at most ``n`` (already time-ordered lists are merged in order)."""
+    """The first ``n`` distinct names, in the order given (time-ordered lists, merged)."""
     seen: dict[str, None] = {}
     for name in names:
         seen.setdefault(name)
