@@ -37,6 +37,7 @@ PROVENANCE_KEYS = ("ortlab.fx_node", "ortlab.op", "ortlab.module", "ortlab.sourc
 INPUT_KEY = "ortlab.input"
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+_RESUMED = re.compile(r"^torch_dynamo_resume_in_(\w+?)_at_\d+$")
 # The root module in Dynamo's sources: ``L['self']``, or ``L['args'][0]`` with an attribute after it (the module
 # passed to a decorator's ``wrapper(*args)``; an input ``L['args'][0]`` is a tensor, read without attributes).
 _ROOT = re.compile(r"^L\['args'\]\[0\](?=\.)\.?|^L\['[^']*'\]\.?")
@@ -63,6 +64,8 @@ def source_line(node: torch.fx.Node) -> str:
     if not frames:
         return ""
     path, line, func = frames[-1]
+    # after a graph break Dynamo traces the rest of ``forward`` as ``torch_dynamo_resume_in_forward_at_<line>``
+    func = _RESUMED.sub(r"\1", func)
     return f"{path}:{line} in {func}"
 
 

@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -285,7 +286,13 @@ def build_timeline(
         notes.append(f"step {step} had not ended (no later training step): it ends at its last recorded event")
     events: list[TimelineEvent] = []
     spans: dict[str, list[tuple[float, float]]] = {}
-    in_pytorch = _placed_in_pytorch(fallbacks)
+    # Each op placed in PyTorch at several nodes: the k-th call in the step is the k-th node, when the counts agree
+    # (the graphs run their PyTorch parts in graph order, once a step); otherwise what all its nodes agree on.
+    by_node = _placed_by_node(fallbacks)
+    in_pytorch = _placed_in_pytorch(by_node)
+    calls = collections.Counter(e.name for e in inside if e.name in by_node and _in_compiled_graph(e, root))
+    seen: collections.Counter[str] = collections.Counter()
+    inside.sort(key=lambda e: e.time_range.start)
     for e in inside:
         start, dur = e.time_range.start - t0, e.time_range.end - e.time_range.start
         depth, parent = 0, e.cpu_parent
@@ -302,6 +309,10 @@ def build_timeline(
             args["parent"] = e.cpu_parent.name
         fell_back = in_pytorch.get(e.name)
         if fell_back is not None and _in_compiled_graph(e, root):
+            nodes = by_node[e.name]
+            if calls[e.name] == len(nodes):
+                fell_back = nodes[seen[e.name]]
+                seen[e.name] += 1
             args.update(fell_back)
         events.append(TimelineEvent(e.name, "torch", "PyTorch", start, dur, depth=depth, args=args))
     graphs = sorted(spans, key=lambda label: spans[label][0][0])
@@ -333,22 +344,30 @@ def build_timeline(
 _COMPILED = ("CompiledFunction", "CompiledFunctionBackward")
 
 
-def _placed_in_pytorch(fallbacks: Sequence[Any]) -> dict[str, dict[str, str]]:
-    """``aten::gelu`` -> ``{fell_back: reason, module, source}`` of the ops ortlab placed in PyTorch.
+def _placed_in_pytorch(by_node: dict[str, list[dict[str, str]]]) -> dict[str, dict[str, str]]:
+    """``aten::gelu`` -> ``{fell_back: reason, module, source}`` of the ops ortlab placed in PyTorch
+    (:func:`_placed_by_node` merged).
 
     An op placed in PyTorch at several nodes keeps the module and source line only
-    where they all agree (the profiler's event does not say which node it ran).
+    where they all agree (used where a step's calls cannot be matched to the nodes one by one).
     """
     out: dict[str, dict[str, str]] = {}
+    for name, nodes in by_node.items():
+        merged = out[name] = dict(nodes[0])
+        for new in nodes[1:]:
+            for key in ("fell_back", "module", "source"):
+                if merged[key] != new[key]:
+                    merged[key] = "several reasons (model.report lists them)" if key == "fell_back" else ""
+    return out
+
+
+def _placed_by_node(fallbacks: Sequence[Any]) -> dict[str, list[dict[str, str]]]:
+    """``aten::gelu`` -> ``[{fell_back, module, source}, ...]``: each node ortlab placed in PyTorch, in graph order."""
+    out: dict[str, list[dict[str, str]]] = collections.defaultdict(list)
     for fb in fallbacks:
-        if getattr(fb, "scope", "") != "op" or not fb.op:
-            continue
-        name = fb.op.replace(".", "::", 1).split(".")[0]  # aten.gelu.default -> aten::gelu
-        new = {"fell_back": fb.reason, "module": fb.module, "source": fb.source}
-        old = out.setdefault(name, new)
-        for key in ("fell_back", "module", "source"):
-            if old[key] != new[key]:
-                old[key] = "several reasons (model.report lists them)" if key == "fell_back" else ""
+        if getattr(fb, "scope", "") == "op" and fb.op:
+            name = fb.op.replace(".", "::", 1).split(".")[0]  # aten.gelu.default -> aten::gelu
+            out[name].append({"fell_back": fb.reason, "module": fb.module, "source": fb.source})
     return out
 
 

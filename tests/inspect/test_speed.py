@@ -120,3 +120,31 @@ def test_the_notebook_view_links_rows_and_draws_the_chart():
     bars = fig.data[0]
     assert len(bars.x) == len(bars.y) >= 3 and "heavy.2" in bars.y
     assert all(c in ("#c0392b", "#2e7d32", "#9aa0a6") for c in bars.marker.color)
+
+
+def test_ops_in_pytorch_and_code_after_a_graph_break_join_eagers_rows():
+    """An op placed in PyTorch at two nodes goes to each node's module (the k-th call is the k-th node); code after
+    a graph break keeps its function's name (Dynamo's ``torch_dynamo_resume_in_forward_at_<line>`` is not shown)."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab=100, d_model=32, n_heads=2, n_layers=2, block_size=16)
+    idx, targets = make_batch("gpt", 2, vocab=config.vocab, block_size=config.block_size)
+    result = compare_speed(GPT(config), idx, targets, steps=3, profile_steps=1, fallback_ops=["aten.gelu"])
+    in_pytorch = {r.module for r in result.rows if "aten::gelu (in PyTorch)" in r.kernels}
+    assert in_pytorch == {"blocks.0", "blocks.1"}, in_pytorch
+    # each of those rows is also eager's row of that line (the keys join)
+    assert all(r.eager_ms > 0 for r in result.rows if "aten::gelu (in PyTorch)" in r.kernels)
+
+    class Broken(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(torch.relu(h)).sum()
+
+    result = compare_speed(Broken(), torch.randn(8, 16), steps=3, profile_steps=1)
+    assert not any("torch_dynamo_resume" in r.source for r in result.rows), [r.label for r in result.rows]
+    b = next(r for r in result.rows if r.module == "b")
+    assert b.eager_ms > 0 and b.ortlab_ms > 0 and b.source.endswith("in forward"), b
