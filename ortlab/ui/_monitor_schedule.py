@@ -22,8 +22,8 @@ A redraw costs the kernel 3-12 ms, but a browser on the same machine then re-ren
 plotly figure (150-270 ms of its main thread, measured with headless chromium on 2 cores),
 and the training steps that run meanwhile are slower: on a 2-core box the step after each
 redraw took ~120 ms more than the median 100 ms step. That is the monitor's cost too, so it is
-counted (the steps started within ``_FRONT_END_S`` of a redraw, over the median step, as for
-profile windows) and the budget sees it. Counted honestly, a budget of 1.5% would then allow
+counted (the steps started within ``_FRONT_END_S`` of a redraw, over the mean of as many steps
+just before it) and the budget sees it. Counted honestly, a budget of 1.5% would then allow
 a redraw every ~17 s in that setting: a view that stands still for 12 s while the loop runs
 looks frozen. So a redraw comes at least every ``MAX_GAP`` x ``redraw_s`` whatever the budget
 (like memory readings, which never stop either): at most ~3% of training in that worst case,
@@ -115,8 +115,8 @@ class Schedule:
         self.held: str | None = None  # why the next profile window waits (the provider race), while it does
         self.due = math.inf
         self._redrawn_at = -math.inf
-        self._drawn_from: int | None = None
-        self.rationed = False  # the last redraw came only by the floor (Note [The view never stops for long])  # the first step after the last redraw, until its cost is counted
+        self._drawn_from: int | None = None  # the first step after the last redraw, until its cost is counted
+        self.rationed = False  # the last redraw came only by the floor (Note [The view never stops for long])
         self._first_drawn = False
         self.every, self.budget, self.profile_steps, self.profiling = every, budget, profile_steps, profiling
         self._redraw, self._can_redraw = redraw, can_redraw
@@ -336,7 +336,7 @@ class Schedule:
         self.redraws += 1
 
     def _front_end_cost(self, n: int, now: float, last_chance: bool) -> None:
-        """Count the steps run while a front end rendered the last redraw, beyond the median step, as
+        """Count the steps run while a front end rendered the last redraw, beyond the steps before it, as
         drawing time (Note [The view never stops for long]), once they ran or before the next redraw."""
         first = self._drawn_from
         if first is None or n <= first or (now - self._redrawn_at < _FRONT_END_S and not last_chance):
