@@ -606,8 +606,8 @@ def _fallback_notes(om: ORTModule) -> list[str]:
 def _combine(timed: dict[str, list[float]], eager: _Profiled, ort: _Profiled, steps: int, profile_steps: int,
              notes: list[str]) -> SpeedComparison:
     keys = {k for t in eager.times + ort.times for k in t}
-    # A line one side knows and the other does not, in a module both know: joined by module where it is the
-    # module's only line on the other side (Dynamo's and the frames' lines can differ: a helper it inlined).
+    # Rows join on (module, line) exactly; a line only one side names (Dynamo and the frames can disagree on an
+    # inlined helper) stays a row of its own, and modules() sums both sides per module.
     rows = []
 
     def samples(p: _Profiled, key: tuple[str, str]) -> Timing:
