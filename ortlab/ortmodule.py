@@ -39,6 +39,7 @@ from ortlab._compat.torch import (
     pytree,
     recompile_limit_hit,
     set_dynamo_config,
+    skip_guard_latency_probe,
     tensor_version,
     without_ddp_optimizer,
 )
@@ -182,6 +183,8 @@ class _QuietFakeTensorErrors(logging.Filter):
 
 _QUIET = _QuietFakeTensorErrors()
 logging.getLogger(FAKE_TENSOR_LOGGER).addFilter(_QUIET)
+# The frames an ORTModule call converts skip Dynamo's guard latency probe (Note [Dynamo's guard latency probe]).
+skip_guard_latency_probe(lambda: bool(getattr(_QUIET.active, "depth", 0)))
 
 
 def _nested_tensor_note(module: nn.Module) -> str | None:

@@ -204,3 +204,30 @@ def test_discarded_modules_leave_little_memory_behind():
                                                           (blocks_after, blocks_before), (rss_after, rss_before)))
     said = f"per discarded module: malloc in use +{malloc:.1f} KiB, Python blocks +{blocks:.0f}, RSS +{rss:.0f} KiB"
     assert malloc < 25 and blocks < 200, said
+
+
+def test_captures_skip_dynamos_guard_latency_probe_unless_its_log_is_on(monkeypatch):
+    """Note [Dynamo's guard latency probe]: inside an ORTModule call the probe answers 0.0 without running
+    (its cache flush cost 50-90 ms a frame); outside one, or with the guards log at DEBUG, the real probe runs."""
+    import logging
+
+    import torch._dynamo.guards as guards
+
+    probe = guards.profile_guard_manager
+    assert getattr(probe, "_ortlab_skip", None) is not None, "ortlab did not wrap Dynamo's guard latency probe"
+    calls = []
+    model = ortlab.ORTModule(torch.nn.Linear(3, 2))
+    monkeypatch.setattr(probe, "original", lambda *a: calls.append(a) or 1.0)
+    model(torch.randn(4, 3)).sum().backward()
+    assert model.report.captures and not calls
+    assert probe(object(), {}, 1) == 1.0 and len(calls) == 1  # outside an ORTModule call: the real probe
+    log = logging.getLogger("torch._dynamo.guards")
+    level = log.level
+    ortmodule._QUIET.active.depth = 1
+    try:
+        assert probe(object(), {}, 1) == 0.0 and len(calls) == 1
+        log.setLevel(logging.DEBUG)
+        assert probe(object(), {}, 1) == 1.0 and len(calls) == 2  # the user asked for the figure
+    finally:
+        ortmodule._QUIET.active.depth = 0
+        log.setLevel(level)

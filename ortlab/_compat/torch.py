@@ -120,6 +120,39 @@ def set_dynamo_config(settings: dict[str, Any]) -> None:
             setattr(torch._dynamo.config, key, value)
 
 
+# Note [Dynamo's guard latency probe]
+# When Dynamo converts a frame it times one run of the new frame's guards for its compile metrics
+# (``guard_latency_us``; the figure is logged at DEBUG on ``torch._dynamo.guards`` and sent to
+# tlparse). The C++ probe flushes the CPU's caches first by writing a large buffer, and that costs
+# 50-90 ms a frame on a 2-core EPYC (``torch.compile(f, backend="eager")`` of a one-line function:
+# 136-162 ms a compile with the probe, 57-76 ms without; 2026-11-29, torch 2.13): a capture of a
+# small model spent more time flushing caches than exporting its graphs. Nothing reads the figure
+# but those logs, so while ortlab's own calls convert frames (``skip``: the caller says when) the probe
+# answers 0.0, unless the guards logger is on at DEBUG (a user who asked for the figure gets it).
+# The wrapper replaces the module global Dynamo calls (``torch._dynamo.guards.profile_guard_manager``,
+# imported there from ``torch._C._dynamo.guards``, 2.5+); a torch without it is left alone.
+def skip_guard_latency_probe(skip: Callable[[], bool]) -> None:
+    """Answer Dynamo's guard latency probe with 0.0 while ``skip()`` is true (Note [Dynamo's guard latency
+    probe]); once per process, the first caller's ``skip`` wins."""
+    try:
+        guards = importlib.import_module("torch._dynamo.guards")
+    except ImportError:
+        return
+    probe = getattr(guards, "profile_guard_manager", None)
+    if probe is None or getattr(probe, "_ortlab_skip", None) is not None:
+        return
+    log = logging.getLogger("torch._dynamo.guards")
+
+    def profile_guard_manager(*args: Any, **kwargs: Any) -> float:
+        if skip() and not log.isEnabledFor(logging.DEBUG):
+            return 0.0
+        return profile_guard_manager.original(*args, **kwargs)  # type: ignore[attr-defined]
+
+    profile_guard_manager._ortlab_skip = skip  # type: ignore[attr-defined]
+    profile_guard_manager.original = probe  # type: ignore[attr-defined]
+    guards.profile_guard_manager = profile_guard_manager
+
+
 # Note [Once-only log calls inside captured code]
 # Dynamo cannot trace a call to a ``logging.Logger`` method: the call breaks the graph, and
 # the frame around it runs in PyTorch. Hugging Face's models call transformers'
