@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import pathlib
 import pickle
 import pkgutil
 import sys
@@ -44,6 +45,19 @@ def test_public_names_and_no_ui_imports():
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_version_has_one_source():
+    """``ortlab.__version__`` is the version; pyproject.toml reads it from there (the wheel test checks the built
+    wheel's metadata against it)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from packaging.version import Version
+
+    assert str(Version(ortlab.__version__)) == ortlab.__version__
+    project = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "ortlab.__version__"}
 
 
 def test_wrapper_behaves_like_the_module():
