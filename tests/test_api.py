@@ -148,6 +148,8 @@ def test_export_onnx_for_inference_matches_eager_eval(tmp_path):
     path = om.export_onnx(str(tmp_path / "model.onnx"), torch.randn(2, 3, 5, 5))
     assert om.training  # mode restored
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["x"]  # forward's parameter
+    assert [o.name for o in sess.get_outputs()] == ["output"]  # not torch.onnx's "linear"
     batch, *image = sess.get_inputs()[0].shape
     assert isinstance(batch, str) and image == [3, 5, 5]  # the batch is dynamic by default, the image is not
     x = torch.randn(3, 3, 5, 5)  # another batch size than the example's
