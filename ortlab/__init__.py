@@ -40,6 +40,7 @@ else:
     del _torch
     from ortlab.ortmodule import ORTModule  # noqa: E402
 
+# The one source of the version: pyproject.toml reads it (``[tool.setuptools.dynamic]``), statically.
 __version__ = "0.1.0"
 
 # Notebook tools, imported on first use so ``import ortlab`` stays light

@@ -46,6 +46,7 @@ from ortlab._compat.torch import (
 from ortlab._openmp import openmp_note
 from ortlab.config import DebugOptions, Options
 from ortlab.errors import CaptureError, ConfigError, DeviceError, FallbackError, OrtlabError, UnsupportedInputError
+from ortlab.onnx.output_names import default_output_names, name_outputs
 from ortlab.pipeline.backend import OrtlabBackend
 from ortlab.report import Fallback, Report, warn_fallback
 from ortlab.runtime.observe import GraphObserver
@@ -754,7 +755,11 @@ class ORTModule(nn.Module):
                 ``{dim: torch.export.Dim(...)}``).
             export_kwargs: more ``torch.onnx.export`` arguments. ``optimize`` (default True) runs
                 ortlab's exact optimizer on the model, not torch.onnx's (Note [Exported models
-                optimized exactly]).
+                optimized exactly]). ``output_names``: one name per output tensor; by default the
+                outputs are named after what ``forward`` returns: ``output`` for one tensor,
+                ``output_0``, ``output_1``, ... for a tuple, the keys of a dict or ``ModelOutput``
+                (``logits``) (``ortlab.onnx.output_names``). The inputs are named after
+                ``forward``'s parameters.
 
         Plain onnxruntime fuses some formulas by their shape alone (a layer norm written out by hand
         with Pow's exponent or an operand order of its own); ortlab's sessions leave those fusions out,
@@ -777,6 +782,7 @@ class ORTModule(nn.Module):
         # model is exported unoptimized and optimized by ortlab's exact rules; torch.onnx's opset-23 fusions
         # (RMSNormalization, which reads Pow's 2 the same way) do not run (the default opset is 18).
         optimize = export_kwargs.pop("optimize", True)
+        output_names = export_kwargs.pop("output_names", None)  # named after the export (ortlab.onnx.output_names)
         if isinstance(dynamic_shapes, str):
             if dynamic_shapes != "auto":
                 raise ConfigError(f"dynamic_shapes={dynamic_shapes!r}: use 'auto', None or torch.export's form")
@@ -795,7 +801,13 @@ class ORTModule(nn.Module):
                 from ortlab._compat.onnxscript import optimize as optimize_exactly
 
                 optimize_exactly(program.model)
+            if output_names is None:
+                output_names = default_output_names(program.exported_program.call_spec.out_spec,
+                                                     len(program.model.graph.outputs))
+            name_outputs(program.model, output_names)
             program.save(path)
+        except ConfigError:
+            raise
         except Exception as e:
             raise OrtlabError(f"could not export the module for inference: {e}") from e
         finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import pathlib
 import pickle
 import pkgutil
 import sys
@@ -44,6 +45,19 @@ def test_public_names_and_no_ui_imports():
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_version_has_one_source():
+    """``ortlab.__version__`` is the version; pyproject.toml reads it from there (the wheel test checks the built
+    wheel's metadata against it)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from packaging.version import Version
+
+    assert str(Version(ortlab.__version__)) == ortlab.__version__
+    project = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert "version" not in project["project"] and "version" in project["project"]["dynamic"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "ortlab.__version__"}
 
 
 def test_wrapper_behaves_like_the_module():
@@ -134,6 +148,8 @@ def test_export_onnx_for_inference_matches_eager_eval(tmp_path):
     path = om.export_onnx(str(tmp_path / "model.onnx"), torch.randn(2, 3, 5, 5))
     assert om.training  # mode restored
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["x"]  # forward's parameter
+    assert [o.name for o in sess.get_outputs()] == ["output"]  # not torch.onnx's "linear"
     batch, *image = sess.get_inputs()[0].shape
     assert isinstance(batch, str) and image == [3, 5, 5]  # the batch is dynamic by default, the image is not
     x = torch.randn(3, 3, 5, 5)  # another batch size than the example's

@@ -100,6 +100,7 @@ def test_export_onnx_of_a_decoder_with_its_cache_on_and_dynamic_batch_and_sequen
     path = om.export_onnx(str(tmp_path / "gpt2.onnx"), kwargs={"input_ids": ids})
     assert model.config.use_cache, "restored after the export"
     sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    assert [o.name for o in sess.get_outputs()] == ["logits"]  # ModelOutput's key, not torch.onnx's "linear"
     other = torch.randint(0, 300, (3, 5))  # another batch and sequence length
     (logits,) = sess.run(None, {"input_ids": other.numpy()})
     model.eval()
