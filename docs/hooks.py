@@ -1,11 +1,12 @@
 """MkDocs hooks: the pages that are generated from the code and the results, so they cannot drift.
 
 * ``<!-- generated: options -->`` in a page becomes the options reference, written from
-  ``ortlab.config.Options``' docstring (its ``Args:`` section), the fields' types and defaults, and the
-  ``ORTLAB_*`` table of ``ortlab.config``'s module docstring. A field without an entry fails the build.
+  ``ortlab.config.Options``' docstring (its ``Args:`` section) and the fields' types and defaults. A field
+  without an entry (or an entry without a field) fails the build.
 * ``<!-- generated: debug-options -->``: the same for ``ortlab.config.DebugOptions``.
-* ``<!-- generated: hf-architectures -->``: the supported-models table, from
-  ``benchmarks/results/hf_architectures.txt``.
+* ``<!-- generated: environment -->``: the ``ORTLAB_*`` variables, from ``ortlab.config``'s module docstring.
+* ``<!-- generated: hf-architectures -->``: the supported-models table, from the last run in
+  ``benchmarks/results/xeon-avx512/hf_architectures_auto.txt``.
 * ``<!-- generated: benchmark-plots -->``: plotly figures of ``benchmarks/results/train_step.json`` and of
   every per-machine table (``benchmarks/results/<machine>/*.txt``), with plotly.js written once into the site.
 * The notebooks in ``notebooks/`` are added as pages ``notebooks/*.ipynb`` for mkdocs-jupyter to render.
@@ -267,7 +268,6 @@ def _figure_html(fig, div_id: str, caption: str) -> str:
     return f'<figure class="ortlab-plot">\n{figure}\n<figcaption>{html.escape(caption)}</figcaption>\n</figure>'
 
 
-
 def benchmark_plots_html(results: Path = RESULTS) -> str:
     """Three figures as HTML: step-time distributions of train_step.json, ortlab's ratio to eager on every
     machine and model, and each table's contenders side by side."""
@@ -324,8 +324,7 @@ def benchmark_plots_html(results: Path = RESULTS) -> str:
                       margin={"l": 60, "r": 20, "t": 60, "b": 120})
     parts.append(_figure_html(fig, "contenders", (
         "For each machine folder and model, each contender's latest table (by the date in the file, then its "
-        "name): "
-        "ortlab-dense is label sparsity off, ortlab-padding embedding sparsity on.")))
+        "name); ortlab-dense is label sparsity off, ortlab-padding embedding sparsity on.")))
     return "\n\n".join(parts)
 
 
@@ -358,7 +357,7 @@ def on_config(config):
 def _event_priority(priority: int):
     try:
         from mkdocs.plugins import event_priority
-    except ImportError:  # pragma: no cover - mkdocs < 1.4
+    except ImportError:  # tests/test_docs.py imports this module for its generators, where mkdocs may be absent
         return lambda f: f
     return event_priority(priority)
 
