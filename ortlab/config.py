@@ -5,7 +5,7 @@ overrides the value given in code (as ``ORTMODULE_*`` did), so a run can be made
 strict or verbose without touching the training script:
 
 ================================  =======================================================
-``ORTLAB_LOG_LEVEL``              VERBOSE, DEVINFO, INFO, WARNING, ERROR or FATAL
+``ORTLAB_LOG_LEVEL``              VERBOSE, DEVINFO, INFO (logs the first-step report), WARNING, ERROR or FATAL
 ``ORTLAB_SAVE_ONNX``              1 to save every stage of every captured graph
 ``ORTLAB_ONNX_PREFIX``            file-name prefix of the saved stages
 ``ORTLAB_SAVE_PATH``              folder of the saved stages
@@ -15,8 +15,10 @@ strict or verbose without touching the training script:
 ``ORTLAB_OPT_LEVEL``              onnxruntime graph optimization: disable|basic|extended|all
 ``ORTLAB_DYNAMIC``                ``auto`` (default), 1 (symbolic sizes from the start) or 0
 ``ORTLAB_CACHE_DIR``              folder of the on-disk cache of onnxruntime models
-``ORTLAB_TUNE_OPENMP``            0 to leave PyTorch's OpenMP spin as it is (read by
-                                  ``ortlab._openmp`` through :func:`tune_openmp_enabled`)
+``ORTLAB_TUNE_OPENMP``            0 to leave PyTorch's OpenMP threads alone: ortlab neither releases their
+                                  idle threads before a multi-threaded session runs (``omp_pause_resource_all``)
+                                  nor, when imported before torch, sets ``GOMP_SPINCOUNT=30000``
+                                  (``ortlab/_openmp.py``, which reads it through :func:`tune_openmp_enabled`)
 ================================  =======================================================
 """
 
@@ -239,38 +241,102 @@ class DebugOptions:
 class Options:
     """Engine options of an ORTModule (the ``**options`` of its constructor).
 
+    ``ortmodule.reconfigure(**options)`` changes them later (the next call re-captures). The
+    documentation's options reference is written from this docstring at build time.
+
     Args:
-        recompute: ``"none"`` (save every activation the backward needs), ``"auto"``
-            (torch's min-cut partitioner recomputes cheap ops), ``"layerwise"``
-            (recompute everything inside each repeated layer, like gradient
-            checkpointing per layer) or a sequence of selectors naming saved
-            activations to recompute: an FX node name (``"gelu_3"``), an op
-            (``"op:aten.gelu"``) or a module path prefix (``"module:blocks.0.mlp"``).
+        recompute: what the backward recomputes instead of saving. ``"none"`` (save every
+            activation the backward needs), ``"auto"`` (torch's min-cut partitioner recomputes
+            cheap ops), ``"layerwise"`` (recompute everything inside each repeated layer
+            (``blocks.0``, ``blocks.1``, ...), like gradient checkpointing per layer) or a sequence
+            of selectors naming saved activations to recompute: an FX node name (``"gelu_3"``), an
+            op (``"op:aten.gelu"``) or a module path prefix (``"module:blocks.0.mlp"``).
             A preset first composes with rows: ``("layerwise", "+gelu_3", "-op:aten.clone")``
             recomputes what layerwise does, plus ``gelu_3``, and saves the clones. A row
             that would make the plan save more bytes is left out, with its reason in the
-            plan (``RecomputePlan.rejected``).
-        fallback: ``"warn"`` runs what onnxruntime cannot run in PyTorch, warning
-            once per reason; ``"raise"`` turns every fallback into a ``FallbackError``.
+            plan (``RecomputePlan.rejected``, ``plan.rejected``).
+
+            A memory budget, ``("budget", 0.5)`` or ``("budget", "300MB")``, asks for the least
+            recomputation whose saved activations fit: that fraction of the bytes the partition
+            without recompute saves (0 < f <= 1: ``0.5`` or ``"50%"``), or that size (``"300MB"``,
+            ``"1.5GiB"``, or an int of at least 1024 bytes). Candidates are torch's min-cut knapsack,
+            checkpointing the first k repeated layers and recomputing everything that can be; the
+            fitting one with the least recompute cost (FLOPs, refined by measured kernel times where
+            the monitor profiled them) wins, and if none fits the smallest is used and the plan's note
+            says so. Random ops (dropout) are never recomputed. Selectors may follow the budget:
+            ``("budget", 0.5, "+gelu_3")`` (Note [A memory budget] in ``ortlab.partition.recompute``).
+        fallback: ``"warn"`` (default) runs what onnxruntime cannot run in PyTorch, warning
+            once per reason; ``"raise"`` turns every fallback into a ``FallbackError`` that lists
+            every op and why.
         fallback_ops: ops to run in PyTorch on purpose, e.g. ``["aten.gelu"]``, or
-            only inside one module: ``["aten.gelu@blocks.0"]``.
+            only inside one module: ``["aten.gelu@blocks.0"]``; the rest of the graph stays in
+            onnxruntime.
         providers: onnxruntime execution providers, pinned for every graph, e.g.
             ``["CPUExecutionProvider"]``. By default (None): on the CPU, each graph's first
             calls measure the installed providers (the CPU provider, OpenVINO's plugin) and
             keep the fastest; on CUDA inputs, CUDA first (onnxruntime-gpu).
-        graph_optimization_level: onnxruntime's level: disable, basic, extended, all.
+
+            In detail, the default: on CPU, the CPU provider, measured on each graph part's first
+            calls against every plugin provider that runs here (OpenVINO's, installed by default on
+            Linux x86-64 and Windows; it serves Intel CPUs only): each candidate runs once on the
+            first call's inputs (once it is built) and its outputs are checked, then the part's next
+            calls run on the providers in turn, timed, each run's outputs being that call's, so
+            measuring costs no extra runs; the fastest whose outputs agree is kept (until then the
+            report names the provider built first), and the report gives the times and why any was
+            dropped (outputs that differ beyond rtol 1e-4, atol 1e-5 are judged against the part run
+            once in float64: a candidate no further from it than the first session is kept, and the
+            report says so with both errors; a part that repeats an earlier part's graph, as a
+            transformer's layers between ops in PyTorch do, runs that part's winning session after
+            one check of its outputs) (with ``cache_dir``, the decision is stored beside the cached
+            model, so a cached start does not measure again; a decision measured on another CPU
+            model or with another number of cores, as in a cache folder shared between machines, is
+            measured again, and OpenVINO keeps its compiled graphs in ``cache_dir/openvino``).
+
+            A graph that computes in bfloat16 (under ``torch.autocast("cpu", dtype=torch.bfloat16)``)
+            goes to OpenVINO first where the CPU has bf16 units (AMX, AVX-512-bf16), whole, instead of
+            sending the CPU provider's missing bf16 kernels to PyTorch. OpenVINO always runs f32
+            graphs in f32 (its precision hint), never bf16. Graphs small enough to run on one thread
+            stay on the CPU provider unmeasured (OpenVINO's dispatch costs more than they do). With
+            ``profile=True`` the first-built session is kept unmeasured (the profile covers every
+            run); CUDA first when inputs are on CUDA and onnxruntime-gpu is installed.
+
+            A list pins providers, plugin ones by name (``["OpenVINOExecutionProvider"]``); one that
+            cannot run here raises ``DeviceError`` saying why, and a single string instead of a list
+            is a ``ConfigError``. A part pinned to OpenVINO (which compiles the graph, so onnxruntime
+            cannot write its optimized model) is cached, and saved as its ``execution`` stage, as the
+            model OpenVINO is given; its ``ort_*`` stages show onnxruntime's passes as the CPU
+            provider runs them. OpenVINO is given the graph in forms its kernels run well (wide
+            MatMuls split, deep ones turned, max pools' indices computed, convolution gradients as
+            convolutions: ``ortlab/runtime/openvino.py``), and the report says what each graph's was
+            given (``OpenVINO's model: 7 MatMul(s) split, 19 Col2Im(s) as ConvTranspose, ...``).
+        graph_optimization_level: onnxruntime's optimization level: disable, basic, extended, all.
         dynamic: ``None`` (default): the first capture uses the example's sizes
-            (fastest to capture and run); the first new size re-captures once with
-            symbolic sizes, and later sizes reuse that graph. ``True``: symbolic from
+            (fastest to capture and run; also for a new module of a class Dynamo has seen with
+            other sizes: it remembers sizes per ``forward``, and that memory made the second
+            module's first capture symbolic, twice as slow); the first new size re-captures once
+            with symbolic sizes, and later sizes reuse that graph. ``True``: symbolic from
             the start. ``False``: re-capture for every new size.
-        intra_op_num_threads: threads per onnxruntime session (default: one for
-            small graphs, onnxruntime's default otherwise).
+        intra_op_num_threads: threads per onnxruntime session (default: 1 for graphs under
+            10 MFLOP; else PyTorch's ``torch.get_num_threads()`` where it is below the core count,
+            as under ``torchrun`` (``OMP_NUM_THREADS=1``) or after ``torch.set_num_threads``, which
+            onnxruntime ignores; else onnxruntime's, one per core).
         profile: turn on onnxruntime's profiler in every session (per-kernel
             timings for ``ortlab.monitor`` and ``GraphRecord.runners``).
         label_sparsity: compute the LM head and its cross-entropy loss only for the labels
             that count (not ``ignore_index``), when the logits are used by the loss alone
             (see Note [Label sparsity] in ``ortlab.capture.sparsity``). The report says
             whether it applied, why, and how many rows it dropped.
+
+            In detail: when a cross-entropy loss ignores labels (``ignore_index``, -100) and the
+            logits serve only that loss, the LM head and the loss run only on the rows whose label
+            counts (ONNX Runtime training's "label sparsity"), in a graph of their own with a
+            symbolic row count; same loss and gradients. When the logits are also returned (Hugging
+            Face models return them), the head still runs on every row for them, and the loss and
+            the head's gradient run on the kept rows; a loss scaled after the cross-entropy
+            (``loss / num_items_in_batch``, as the Trainer passes it) is scaled after the cut; a
+            bias per class added after the head (BART's ``final_logits_bias``) is folded into the
+            head's bias. The report says whether it applied (or why not: the logits used elsewhere
+            in the graph, a head under 1M weights, ...) and how many rows it dropped.
         embedding_sparsity: run the row-wise layers (linear layers, norms, activations) only
             on the tokens that are not an embedding's ``padding_idx`` (see Note [Embedding
             sparsity] in ``ortlab.capture.padding``). Off by default: it assumes the padded
@@ -279,9 +345,37 @@ class Options:
             checks the assumption on the captured graph, for every value of the parameters
             (an attention mask or a padding mask must stop the padded rows) and drops the
             rewrite, with the reason and a warning, when it cannot prove it.
+
+            In detail: when the graph looks tokens up in an embedding with a ``padding_idx``
+            (BERT's ``[PAD]``), the row-wise layers (linear layers, norms, activations, residual
+            adds) run only on the tokens that are not padding, in a graph with a symbolic row count;
+            where rows mix (attention, pooling) and in token-shaped outputs the padded rows come back
+            as zeros (ONNX Runtime training's "embedding sparsity"). It assumes the padded tokens do
+            not change the others (an attention mask masks them out) and that nobody reads the
+            outputs' padded rows. Every batch with padding checks that on the captured graph, for
+            any value of the parameters: no output may read a padded row except through an op that
+            ignores it (an attention mask, a multiplication by the padding mask, a label of -100, an
+            index that skips it), given that batch's ids, mask and labels; the first one also checks
+            in PyTorch (dropout off) that the rewritten graph gives the original's outputs on the
+            kept tokens; if not, it warns and runs every row from then on. An LM head keeps every
+            row, so label sparsity still applies after it. With dropout on, the masks fall on other
+            elements than eager's (same distribution). Not applied (with the reason in the report):
+            token ids computed inside the graph, an encoder-decoder whose shared embedding also
+            looks up the decoder's tokens, and (by the check) a decoder that returns its key/value
+            cache (its padded rows differ; train with ``use_cache=False``). The report says how
+            many rows it dropped.
         cache_dir: a folder for the on-disk cache of the models onnxruntime runs; a
             later process with the same graph, options and library versions skips
             export and optimization.
+
+            In detail: the cache is keyed on the graph, its constants and input types, options,
+            library versions, ortlab's own code (a digest of its files, so a fixed translation is
+            never served an older checkout's model) and the CPU's vector instruction sets
+            (onnxruntime's optimized models may hold layouts for this CPU's vector width, so a folder
+            shared with a machine without AVX-512 misses instead of serving them). Created 0700; a
+            folder another user owns or others may write is a ``ConfigError``. An entry that fails
+            its checksums or checks is dropped and rebuilt with a warning; a folder that turns
+            read-only or full costs one warning, and training goes on in onnxruntime.
     """
 
     recompute: RecomputeSpec = "none"

@@ -152,8 +152,16 @@ def bisect_fallbacks(
     default) for the first diverging node of the ops found (else the first divergence).
 
     Args:
-        model, *inputs, forward_kwargs, loss_fn, rtol, atol, seed, options, **keywords: as for
-            ``compare`` (keyword inputs and options by name); ``fallback_ops`` stay in PyTorch in every trial.
+        model: as for ``compare``: an ``nn.Module`` or an ``ORTModule``.
+        *inputs: as for ``compare``: positional inputs of the forward.
+        forward_kwargs: as for ``compare``: keyword inputs of the forward.
+        loss_fn: as for ``compare``: output -> scalar loss.
+        rtol: as for ``compare``: relative tolerance.
+        atol: as for ``compare``: absolute tolerance.
+        seed: as for ``compare``: the random seed of every step.
+        options: as for ``compare``: ORTModule options of the ortlab side; its ``fallback_ops`` stay in
+            PyTorch in every trial.
+        **keywords: as for ``compare``: keyword inputs and options by name.
         candidates: op names to search (``aten.gelu``); default as above.
         repro_dir: folder of the repro; created if missing.
         max_trials: stop with an error after this many trials (each captures the model).

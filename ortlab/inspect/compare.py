@@ -262,7 +262,8 @@ def compare(
         *inputs: positional inputs of the forward.
         forward_kwargs: keyword inputs of the forward.
         loss_fn: output -> scalar loss to backpropagate (default :func:`default_loss`).
-        rtol, atol: tolerances of every comparison.
+        rtol: relative tolerance of every comparison.
+        atol: absolute tolerance of every comparison.
         intermediates: also compare every intermediate value (slower: the graphs run
             again in PyTorch and in onnxruntime with every value as an output).
         keep_values: keep every node's two values in ``result.graphs`` (for repro).

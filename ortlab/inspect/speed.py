@@ -481,7 +481,8 @@ def compare_speed(
         warmup: untimed steps a side first (ortlab's first step also captures and compiles).
         optimizer: ``params -> optimizer`` for both sides (default SGD with lr 0: its work, fixed weights).
         loss_fn: output -> scalar loss (default :func:`~ortlab.inspect.loss.default_loss`).
-        forward_kwargs, options: the forward's keyword inputs, ORTModule options of the ortlab side.
+        forward_kwargs: the forward's keyword inputs.
+        options: ORTModule options of the ortlab side.
         seed: the random seed both sides start from.
         **keywords: the forward's keyword inputs (``input_ids=ids``) and ORTModule options by name
             (Note [Keyword inputs beside options] in ``ortlab.inspect._keywords``).
