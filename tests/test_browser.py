@@ -82,7 +82,11 @@ def lab(tmp_path_factory) -> Iterator[JupyterLab]:
         pytest.fail("JupyterLab did not start")
     yield JupyterLab(base, token, work)
     proc.terminate()
-    proc.wait(timeout=20)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:  # a loaded box: JupyterLab still shutting its kernels down
+        proc.kill()
+        proc.wait(timeout=20)
 
 
 @pytest.fixture()
