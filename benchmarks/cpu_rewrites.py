@@ -15,7 +15,7 @@ ortlab with the rewrites replaced by a no-op, and ortlab as it is. Prints what t
 
 ``--torchvision NAME`` takes a torchvision classification model (100 classes, cross-entropy on random
 labels) instead; PyPI's torchvision does not import beside the CPU torch 2.13, so that needs a torch and
-torchvision pair that do (the README says how).
+torchvision pair that do (docs/getting-started.md says how).
 """
 
 from __future__ import annotations

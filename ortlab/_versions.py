@@ -60,7 +60,7 @@ def cpu_model() -> str:
 def cpu_description() -> str:
     """:func:`cpu_model` with the family, model and widest vector extension where ``/proc/cpuinfo`` has them:
     cloud machines all named "AMD EPYC" differ (a Zen 4, family 25 model 17, runs onnxruntime's GEMMs no faster
-    than PyTorch's; the EPYC of the README's 2026-11-22 figures ran them up to twice as fast), so a benchmark's
+    than PyTorch's; the EPYC of the 2026-11-22 figures in docs/benchmarks.md ran them up to twice as fast), so a benchmark's
     figures are comparable on the same one only."""
     info = _cpuinfo()
     if "cpu family" not in info:

@@ -46,7 +46,7 @@ if not os.environ.get("TORCH_TRACE"):
         _trace_log.removeHandler(_h)
 
 # Note [A share of the cores per test worker]
-# The README's command runs the suite in pytest-xdist workers, one per core. Like torchrun's
+# The README's test command runs the suite in pytest-xdist workers, one per core. Like torchrun's
 # processes, each worker gets its share of the cores: PyTorch's threads, and through them the
 # sessions' (Note [PyTorch's thread budget]). Two workers with 2 threads each on 2 cores ran the
 # soak's tiny-GPT steps 4x slower than with 1 each (29-34 s against 7 s per 300 steps). The

@@ -16,7 +16,7 @@ above 2**53.
 ``ORTLAB_GENERATED_EXAMPLES`` sets the number of examples (250 by default, in two halves with fixed
 seeds, this file's and test_generated_second_half.py's: together they draw every block, head, dtype
 and edge, which 200 did not; the same examples on every run); ``ORTLAB_GENERATED_EXAMPLES=2000`` is the long run (about
-20 minutes on 2 cores, kept out of the suite). The pass rate is in the README.
+20 minutes on 2 cores, kept out of the suite). The pass rate is in docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -440,7 +440,7 @@ def _tol(dtype: torch.dtype) -> tuple[float, float]:
     # float64 models run with static sizes (dynamic=False): with symbolic sizes, factors
     # computed from sizes (BatchNorm's 1/n) are float32 in ONNX, as torch.onnx types symbolic
     # floats, and a GroupNorm-BatchNorm stack's bias gradient (4e-15 in eager, a cancellation)
-    # came out 6e-7: the README's known limit.
+    # came out 6e-7: the known limit in docs/correctness.md.
     return (1e-4, 1e-5) if dtype == torch.float32 else (1e-7, 1e-9)
 
 
@@ -529,7 +529,7 @@ def check_example(spec: Spec) -> None:
     except Exception as e:  # noqa: BLE001
         expected_error = e
     hook.remove()
-    # float64 with static sizes: see _tol and the README's known limit for symbolic sizes.
+    # float64 with static sizes: see _tol and the known limit for symbolic sizes in docs/correctness.md.
     om = ortlab.ORTModule(model, dynamic=False if dtype == torch.float64 else (True if spec.symbolic else None))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
