@@ -14,6 +14,7 @@ Usage:
     python benchmarks/gemm_floor.py --model gpt
     python benchmarks/gemm_floor.py --model gpt --contenders eager,compile,ortlab --rounds 2 --steps 20
     python benchmarks/gemm_floor.py --model resnet18 --floor-only
+    python benchmarks/gemm_floor.py --model gpt,mlp,resnet18-32,resnet18-224,mobilenet,phi3,gpt-neox --rounds 3
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class _Record(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
         if func in GEMMS:
-            spec = [("T", tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else ("V", a) for a in args]
+            spec = [("T", tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor)
+                    else ("V", tuple(a) if isinstance(a, list) else a) for a in args]  # lists: hashable
             self.calls.append((func, tuple(spec), tuple(sorted(kwargs.items()))))
         return func(*args, **kwargs)
 
@@ -90,28 +92,36 @@ def gemm_floor(name: str, reps: int) -> tuple[float, int, dict[str, float]]:
     return total, len(record.calls), kinds
 
 
-_ROW = re.compile(r"^(\S+)\s+([\d.]+)\s+[\d.]+x\s+(.*)$")
+_ROUND = re.compile(r"^\s*(\S+) (\S+) round \d+: median ([\d.]+) ms, first step (\d+) ms")
 
 
-def step_medians(name: str, contenders: str, rounds: int, steps: int, warmup: int) -> dict[str, float]:
-    """Each contender's step median in ms, from ``train_step.py --alone`` (fresh processes, in turns)."""
+def step_runs(name: str, contenders: str, rounds: int, steps: int, warmup: int) -> dict[str, list[tuple[float, float]]]:
+    """Each contender's (step median, first step) in ms per process, from ``train_step.py --alone``
+    (fresh processes, in turns)."""
     cmd = [sys.executable, str(HERE / "train_step.py"), "--model", name, "--contenders", contenders, "--alone",
            "--rounds", str(rounds), "--steps", str(steps), "--warmup", str(warmup)]
     print("+", " ".join(cmd[1:]), flush=True)
     out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
     print(out, flush=True)
-    medians = {}
-    table = out.split("each contender alone ==")[-1]
-    for line in table.splitlines():
-        m = _ROW.match(line.strip())
-        if m:
-            medians[m.group(1)] = float(m.group(2))
-    return medians
+    runs: dict[str, list[tuple[float, float]]] = {}
+    for line in out.splitlines():
+        m = _ROUND.match(line)
+        if m and m.group(1) == name:
+            runs.setdefault(m.group(2), []).append((float(m.group(3)), float(m.group(4))))
+    return runs
+
+
+def _spread(values: list[float], fmt: str = ".1f") -> str:
+    """``median (min-max)`` of ``values``."""
+    med = statistics.median(values)
+    if len(values) == 1:
+        return format(med, fmt)
+    return f"{med:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt")
+    parser.add_argument("--model", default="gpt", help="a model of train_step.py, or a comma list of them")
     parser.add_argument("--contenders", default="eager,compile,ortlab")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
@@ -120,16 +130,26 @@ def main() -> None:
     parser.add_argument("--floor-only", action="store_true")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}")
-    floor, count, kinds = gemm_floor(args.model, args.reps)
-    parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
-    print(f"[{args.model}] GEMM floor {floor * 1e3:.2f} ms a step ({count} GEMM-like calls: {parts})")
-    if args.floor_only:
-        return
-    medians = step_medians(args.model, args.contenders, args.rounds, args.steps, args.warmup)
-    print(f"== {args.model}: each contender's step against the GEMM floor ({floor * 1e3:.2f} ms) ==")
-    print(f"{'contender':<12}{'step ms':>10}{'step / floor':>14}")
-    for c, ms in medians.items():
-        print(f"{c:<12}{ms:>10.2f}{ms / (floor * 1e3):>14.2f}")
+    table = []
+    for name in [m.strip() for m in args.model.split(",") if m.strip()]:
+        floor, count, kinds = gemm_floor(name, args.reps)
+        parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        print(f"[{name}] GEMM floor {floor * 1e3:.2f} ms a step ({count} GEMM-like calls: {parts})", flush=True)
+        if args.floor_only:
+            continue
+        runs = step_runs(name, args.contenders, args.rounds, args.steps, args.warmup)
+        eager = statistics.median(ms for ms, _ in runs.get("eager", [(float("nan"), 0)]))
+        for c, rs in runs.items():
+            steps = [ms for ms, _ in rs]
+            med = statistics.median(steps)
+            table.append((name, c, _spread(steps), f"{eager / med:.2f}x", f"{med / (floor * 1e3):.2f}",
+                          f"{floor * 1e3:.1f}", _spread([first / 1e3 for _, first in rs], ".1f")))
+    if table:
+        print("\n| model | contender | step ms, median (min-max of processes) | vs eager | step / GEMM floor "
+              "| GEMM floor ms | first step s |")
+        print("|---|---|---|---|---|---|---|")
+        for row in table:
+            print("| " + " | ".join(row) + " |")
 
 
 if __name__ == "__main__":

@@ -66,7 +66,12 @@ MODELS = ("tiny", "mlp", "gpt")
 # with dropout, packed rows draw other masks).
 # "beit": a BEiT-small-sized image classifier from a transformers config (12 layers, d=384, 224x224 images in
 # 16x16 patches, batch 8) with stochastic depth (drop_path_rate 0.1): a random draw in every residual branch.
-LARGE_MODELS = ("gpt2s", "gpt2s-ignore", "bert", "bert-nodrop", "resnet18", "beit")
+# "resnet18-32" / "resnet18-224": ResNet-18 on 16 images of 32x32 / 8 of 224x224 ("resnet18": 16 of 64x64).
+# "mobilenet": MobileNetV2 (width 1.0; depthwise 3x3 convolutions, ReLU6) on 16 images of 96x96.
+# "phi3" / "gpt-neox": transformers' Phi-3 and GPT-NeoX at d 256, 4 layers, 4 heads, vocab 8192, T 128,
+# batch 8 (the GPT benchmark's sizes), their own causal-LM loss.
+LARGE_MODELS = ("gpt2s", "gpt2s-ignore", "bert", "bert-nodrop", "resnet18", "resnet18-32", "resnet18-224",
+                "mobilenet", "phi3", "gpt-neox", "beit")
 Batch = tuple[torch.Tensor, torch.Tensor]
 # Where the models train (--device); on CUDA every timestamp waits for the GPU's queued work.
 DEVICE = torch.device("cpu")
@@ -178,11 +183,34 @@ def build_model(name: str) -> tuple[nn.Module, Callable[[torch.Generator], Batch
             return torch.randn(8, 3, 224, 224, generator=g), torch.randint(0, 1000, (8,), generator=g)
 
         return BeitLoss(), draw_beit, None
-    if name == "resnet18":
-        def draw_images(g: torch.Generator) -> Batch:
-            return torch.randn(16, 3, 64, 64, generator=g), torch.randint(0, 1000, (16,), generator=g)
+    if name in ("resnet18", "resnet18-32", "resnet18-224", "mobilenet"):
+        n, size = {"resnet18": (16, 64), "resnet18-32": (16, 32), "resnet18-224": (8, 224), "mobilenet": (16, 96)}[name]
 
-        return _ResNet18Loss(), draw_images, None
+        def draw_images(g: torch.Generator) -> Batch:
+            return torch.randn(n, 3, size, size, generator=g), torch.randint(0, 1000, (n,), generator=g)
+
+        return (_MobileNetV2Loss() if name == "mobilenet" else _ResNet18Loss()), draw_images, None
+    if name in ("phi3", "gpt-neox"):
+        import transformers
+
+        sizes = dict(hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_hidden_layers=4,
+                     vocab_size=8192, max_position_embeddings=256)
+        config = (transformers.Phi3Config(**sizes, pad_token_id=0, bos_token_id=1, eos_token_id=2) if name == "phi3"
+                  else transformers.GPTNeoXConfig(**sizes))
+
+        class CausalLMLoss(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.lm = transformers.AutoModelForCausalLM.from_config(config)
+
+            def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+                return self.lm(input_ids=ids, labels=labels).loss
+
+        def draw_lm(g: torch.Generator) -> Batch:
+            ids = torch.randint(1, 8192, (8, 128), generator=g)
+            return ids, ids
+
+        return CausalLMLoss(), draw_lm, None
     if name == "mlp":
         return MLP((784, 1024, 1024, 10)), lambda g: make_batch("mlp", 256, g), None
     if name == "tiny":
@@ -235,6 +263,49 @@ class _ResNet18Loss(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         feats = self.blocks(self.stem(x)).mean(dim=(2, 3))
         return F.cross_entropy(self.fc(feats), y)
+
+
+class _InvertedResidual(nn.Module):
+    """torchvision's MobileNetV2 block: 1x1 expansion, 3x3 depthwise convolution, 1x1 projection,
+    batch norm after each, ReLU6 after the first two, the shortcut where shapes allow."""
+
+    def __init__(self, cin: int, cout: int, stride: int, expand: int) -> None:
+        super().__init__()
+        mid = cin * expand
+        layers: list[nn.Module] = []
+        if expand != 1:
+            layers += [nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU6()]
+        layers += [nn.Conv2d(mid, mid, 3, stride, 1, groups=mid, bias=False), nn.BatchNorm2d(mid), nn.ReLU6(),
+                   nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout)]
+        self.body = nn.Sequential(*layers)
+        self.shortcut = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.body(x) if self.shortcut else self.body(x)
+
+
+class _MobileNetV2Loss(nn.Module):
+    """MobileNetV2 (torchvision's ``mobilenet_v2``, width 1.0, layer for layer) with a cross-entropy loss;
+    written out for the reason :class:`_ResNet18Loss` is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[nn.Module] = [nn.Conv2d(3, 32, 3, 2, 1, bias=False), nn.BatchNorm2d(32), nn.ReLU6()]
+        cin = 32
+        for expand, cout, repeats, stride in ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
+                                              (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)):
+            for i in range(repeats):
+                layers.append(_InvertedResidual(cin, cout, stride if i == 0 else 1, expand))
+                cin = cout
+        layers += [nn.Conv2d(cin, 1280, 1, bias=False), nn.BatchNorm2d(1280), nn.ReLU6()]
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Dropout(0.2), nn.Linear(1280, 1000))
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out")
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.classifier(self.features(x).mean(dim=(2, 3))), y)
 
 
 def wrap(contender: str, module: nn.Module) -> nn.Module:

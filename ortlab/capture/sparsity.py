@@ -104,6 +104,15 @@ class LabelSparsity:
     # What the graph did to the loss after the cross-entropy (Hugging Face divides a summed loss by
     # ``num_items_in_batch``): ``(op, constant)`` or ``(op, None)`` for a value the cut graph returns last.
     post: list[tuple[Callable[[object, object], object], object]] = dataclasses.field(default_factory=list)
+    # Where the head and the loss were in the user's code: the ``nn_module_stack`` and ``stack_trace`` of
+    # the graph's head and cross-entropy nodes, which ``origin_of`` puts on the tails' nodes (Note [A tail
+    # carries its head's provenance]).
+    head_meta: dict[str, object] = dataclasses.field(default_factory=dict)
+    loss_meta: dict[str, object] = dataclasses.field(default_factory=dict)
+
+    def origin_of(self, node: torch.fx.Node) -> dict[str, object]:
+        """The provenance meta a node of a tail graph takes: the head's for its linear, the loss's otherwise."""
+        return self.head_meta if node.op == "call_function" and node.target in LINEAR_TARGETS else self.loss_meta
 
     def params(self, args: Sequence[object]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's weight and bias, read from the graph's inputs before a boxed call clears them."""
@@ -439,7 +448,23 @@ def find_label_sparsity(gm: torch.fx.GraphModule) -> LabelSparsity | SparsityRec
     record = SparsityRecord(True, reason, module=module_path(head) or where["module"],
                             source=source_line(head) or where["source"])
     return LabelSparsity(cut, record, loss_positions, len(flat), weight, bias, casts, int(a["ignore_index"]),
-                         str(a["reduction"]), float(a["label_smoothing"]), logits_positions, post)
+                         str(a["reduction"]), float(a["label_smoothing"]), logits_positions, post,
+                         _provenance_meta(head), _provenance_meta(ce))
+
+
+# Note [A tail carries its head's provenance]
+# The tails are graphs of ortlab's own modules (``_Tail``, ``_Head``, ``_RowsLoss``): Dynamo records
+# their nodes as the root module's, at lines of this file, so the LM head's kernels were reported as
+# "<root> sparsity.py:253 in forward" and compare_speed set 96 ms of them against nothing on the ortlab
+# side and eager's 124 ms of ``lm_head`` against nothing on the other (a Phi-3 config, 2026-11-29).
+# The backend compiling a tail puts the head node's ``nn_module_stack`` and ``stack_trace`` on the
+# tail's linear and the cross-entropy node's on its other nodes, before anything reads them, so the
+# report, the netron views, the timelines and compare_speed name the user's head module and lines.
+_PROVENANCE_KEYS = ("nn_module_stack", "stack_trace")
+
+
+def _provenance_meta(node: torch.fx.Node) -> dict[str, object]:
+    return {k: node.meta[k] for k in _PROVENANCE_KEYS if node.meta.get(k)}
 
 
 @dataclasses.dataclass

@@ -142,8 +142,12 @@ class OrtlabBackend:
     """
 
     def __init__(self, options: Options, debug: DebugOptions, report: Report, observer: GraphObserver | None = None,
-                 sinks: Sequence[StageSink] = (), purpose: str = "") -> None:
+                 sinks: Sequence[StageSink] = (), purpose: str = "",
+                 origin: Callable[[torch.fx.Node], dict[str, object]] | None = None) -> None:
         self.options = options
+        # For a graph ortlab makes (a label-sparsity tail): the provenance meta each node takes
+        # (Note [A tail carries its head's provenance] in ``ortlab.capture.sparsity``).
+        self.origin = origin
         self.kernel_us: dict[str, float] = {}  # FX node -> kernel microseconds per run (ORTModule.note_kernel_times)
         self.purpose = purpose
         self.debug = debug
@@ -181,11 +185,13 @@ class OrtlabBackend:
         self.sinks = []
         self._compiled = {}
 
-    def _nested(self, module: torch.nn.Module, purpose: str, dynamic: bool | None, **changes: object) -> Callable:
+    def _nested(self, module: torch.nn.Module, purpose: str, dynamic: bool | None,
+                origin: Callable[[torch.fx.Node], dict[str, object]] | None = None, **changes: object) -> Callable:
         """``module`` compiled by a backend like this one (its report, observer and sinks), for a graph
-        ortlab makes itself (a label-sparsity tail, a graph on packed rows)."""
+        ortlab makes itself (a label-sparsity tail, a graph on packed rows); ``origin``: see ``__init__``."""
         options = dataclasses.replace(self.options, dynamic=dynamic, **changes)
-        backend = OrtlabBackend(options, self.debug, self.report, self.observer, self.sinks, purpose=purpose)
+        backend = OrtlabBackend(options, self.debug, self.report, self.observer, self.sinks, purpose=purpose,
+                                origin=origin)
         backend._handed, backend._regions = self._handed, self._regions  # released with this backend
         return backend.compile(module, dynamic)
 
@@ -237,7 +243,7 @@ class OrtlabBackend:
         of = label(len(self.report.captures))
 
         def compile_(module: torch.nn.Module, purpose: str, dynamic: bool | None) -> Callable:
-            return self._nested(module, f"label sparsity: {purpose}", dynamic, label_sparsity=False)
+            return self._nested(module, f"label sparsity: {purpose}", dynamic, cut.origin_of, label_sparsity=False)
 
         if cut.logits_positions:
             # The graph returned the logits: the head runs on every row for them (shaped as the
@@ -257,6 +263,11 @@ class OrtlabBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]) -> Callable:
         start = time.perf_counter()
+        if self.origin is not None:  # its subgraphs too: an autograd.Function's forward and backward
+            for sub in gm.modules():
+                for node in sub.graph.nodes if isinstance(sub, torch.fx.GraphModule) else ():
+                    if node.op not in ("placeholder", "output", "get_attr"):
+                        node.meta.update(self.origin(node))
         index = len(self.report.captures)
         needs_grad = torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs

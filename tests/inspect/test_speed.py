@@ -148,3 +148,19 @@ def test_ops_in_pytorch_and_code_after_a_graph_break_join_eagers_rows():
     assert not any("torch_dynamo_resume" in r.source for r in result.rows), [r.label for r in result.rows]
     b = next(r for r in result.rows if r.module == "b")
     assert b.eager_ms > 0 and b.ortlab_ms > 0 and b.source.endswith("in forward"), b
+
+
+def test_a_label_sparsity_tail_is_the_heads_row_not_ortlabs():
+    """Note [A tail carries its head's provenance]: the LM head and loss that label sparsity runs in a graph of
+    ortlab's own are reported at the user's head module and lines, so the head's row joins eager's."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab=4096, d_model=256, n_heads=2, n_layers=1, block_size=8)  # a head of 1M weights: cut
+    idx, targets = make_batch("gpt", 2, vocab=config.vocab, block_size=config.block_size)
+    targets[:, :3] = -100
+    result = compare_speed(GPT(config), idx, targets, steps=3, profile_steps=1, warmup=1)
+    records = [c.sparsity for c in result.ortmodule.report.captures if c.sparsity is not None]
+    assert records and records[0].applied, records
+    assert not [r for r in result.rows if "sparsity.py" in r.source], \
+        [(r.module, r.source) for r in result.rows]
+    head = [r for r in result.rows if r.module == "head"]
+    assert head and head[0].ortlab_ms > 0 and head[0].eager_ms > 0, [(r.module, r.source) for r in result.rows]
