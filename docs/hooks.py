@@ -7,6 +7,8 @@
 * ``<!-- generated: environment -->``: the ``ORTLAB_*`` variables, from ``ortlab.config``'s module docstring.
 * ``<!-- generated: hf-architectures -->``: the supported-models table, from the last run in
   ``benchmarks/results/xeon-avx512/hf_architectures_auto.txt``.
+* ``<!-- generated: speed-table -->``: issue 44's table (each contender alone beside the GEMM floor), from the
+  newest ``benchmarks/results/<machine>/speed_table_<date>.md``.
 * ``<!-- generated: benchmark-plots -->``: plotly figures of ``benchmarks/results/train_step.json`` and of
   every per-machine table (``benchmarks/results/<machine>/*.txt``), with plotly.js written once into the site.
 * The notebooks in ``notebooks/`` are added as pages ``notebooks/*.ipynb`` for mkdocs-jupyter to render.
@@ -328,6 +330,19 @@ def benchmark_plots_html(results: Path = RESULTS) -> str:
     return "\n\n".join(parts)
 
 
+def speed_table_markdown(results: Path = RESULTS) -> str:
+    """The newest ``benchmarks/results/<machine>/speed_table_<date>.md`` table (``benchmarks/gemm_floor.py``'s
+    markdown rows: each contender alone, the GEMM floor, the first step), with the file it came from."""
+    tables = sorted(results.glob("*/speed_table_*.md"), key=lambda f: (f.stem.rsplit("_", 1)[-1], f.parent.name))
+    if not tables:
+        raise DocsError(f"no speed_table_<date>.md under {results}: run benchmarks/gemm_floor.py (its docstring)")
+    path = tables[-1]
+    rows = [line for line in path.read_text().splitlines() if line.startswith("|")]
+    if len(rows) < 3:
+        raise DocsError(f"{path}: no markdown table (gemm_floor.py's '| model | contender | ...' rows)")
+    return "\n".join(rows) + f"\n\nFrom `{path.relative_to(ROOT)}`."
+
+
 # ---------------------------------------------------------------------------------------------
 # MkDocs events.
 
@@ -336,6 +351,7 @@ _GENERATORS = {
     "debug-options": debug_options_markdown,
     "environment": environment_markdown,
     "hf-architectures": hf_architectures_markdown,
+    "speed-table": speed_table_markdown,
 }
 
 

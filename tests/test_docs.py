@@ -153,6 +153,9 @@ def test_generated_pages() -> None:
     assert DebugOptions.__doc__ and "ORTLAB_TUNE_OPENMP" in hooks.environment_markdown()
     assert hooks.hf_architectures_markdown().startswith("41 architectures")
     assert len(hooks.machine_tables()) > 50
+    speed = hooks.speed_table_markdown()  # issue 44's table: each model with eager, torch.compile, ortlab
+    assert speed.startswith("| model | contender |") and all(f"| {m} | ortlab |" in speed for m in (
+        "gpt", "mlp", "resnet18-32", "resnet18-224", "mobilenet", "phi3", "gpt-neox"))
 
 
 def test_every_page_is_in_the_nav() -> None:
