@@ -119,10 +119,9 @@ class Schedule:
         self.due = math.inf
         self._redrawn_at = -math.inf
         self._drawn_from: int | None = None  # the first step after the last redraw, until its cost is counted
-        # The steps after redraws over those before them, summed with their signs, and how much of it is charged
-        # (the positive part): noise cancels out instead of being charged (Note [The view never stops for long]).
+        # The steps after redraws over those before them, summed with their signs; its positive part is charged:
+        # noise cancels out instead of being charged (Note [The view never stops for long]).
         self._front_end_sum = 0.0
-        self._front_end_charged = 0.0
         self.rationed = False  # the last redraw came only by the floor (Note [The view never stops for long])
         self._first_drawn = False
         self.every, self.budget, self.profile_steps, self.profiling = every, budget, profile_steps, profiling
@@ -358,9 +357,9 @@ class Schedule:
         after, normal = dt[first:first + count], dt[max(first - max(count, 5), 0):first]
         if not len(after) or not np.isfinite(normal).any():
             return
+        charged = max(self._front_end_sum, 0.0)
         self._front_end_sum += float(np.nansum(after) - len(after) * np.nanmean(normal))
-        extra = max(self._front_end_sum, 0.0) - self._front_end_charged  # below 0: noise charged before, given back
-        self._front_end_charged += extra
+        extra = max(self._front_end_sum, 0.0) - charged  # below 0: noise charged before, given back
         self.monitor_s += extra
         self._spent["redraw"] += extra
 
